@@ -113,7 +113,7 @@ def cc():
 
     def build(src, out, *extra):
         cmd = [
-            "gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g",
+            "gcc", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-Wno-deprecated-declarations", "-O1", "-g",
             f"-I{cuda_include_dir()}", f"-I{nvml_include_dir()}",
             str(src), "-o", str(out), *extra,
         ]

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use gpusim_core::{State, GpuView};
+use gpusim_core::{GpuView, State};
 use serde::Serialize;
 
 #[derive(Parser)]
@@ -126,7 +126,11 @@ fn status(json: bool) -> Result<()> {
                 .collect(),
         });
     }
-    let s = StatusJson { state: st.path().display().to_string(), time_ns, gpus };
+    let s = StatusJson {
+        state: st.path().display().to_string(),
+        time_ns,
+        gpus,
+    };
     if json {
         println!("{}", serde_json::to_string_pretty(&s)?);
         return Ok(());
@@ -168,7 +172,11 @@ fn inject(gpu: &str, xid: u64) -> Result<()> {
     let st = open()?;
     let g = match gpu.parse::<usize>() {
         Ok(i) if i < st.num_gpus() => i,
-        Ok(i) => bail!("GPU index {i} is out of range: this machine has {} GPUs (0..{})", st.num_gpus(), st.num_gpus() - 1),
+        Ok(i) => bail!(
+            "GPU index {i} is out of range: this machine has {} GPUs (0..{})",
+            st.num_gpus(),
+            st.num_gpus() - 1
+        ),
         Err(_) => st
             .config
             .gpu

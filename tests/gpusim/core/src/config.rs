@@ -199,19 +199,28 @@ fn d_cuda() -> Spanned<i32> {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
     #[error("gpusim: config {path}: line {line}: {msg}")]
-    Invalid { path: String, line: usize, msg: String },
+    Invalid {
+        path: String,
+        line: usize,
+        msg: String,
+    },
     #[error("gpusim: config {path}: cannot read it ({err}); point GPUSIM_CONFIG at a readable file, or unset it for the default two GPUs")]
     Unreadable { path: String, err: String },
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
-    text.as_bytes()[..offset.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
+    text.as_bytes()[..offset.min(text.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }
 
 impl Config {
     /// The built-in two-GPU machine.
     pub fn default_config() -> Config {
-        Config::parse(DEFAULT_CONFIG, "<built-in default>").expect("the built-in default config is valid")
+        Config::parse(DEFAULT_CONFIG, "<built-in default>")
+            .expect("the built-in default config is valid")
     }
 
     /// Read and check the file at `path`.
@@ -242,7 +251,13 @@ impl Config {
         }
         if raw.gpu.len() > MAX_GPUS {
             let at = raw.gpu[MAX_GPUS].span().start;
-            return Err(invalid(at, format!("{} GPUs described; gpusim simulates at most {MAX_GPUS}", raw.gpu.len())));
+            return Err(invalid(
+                at,
+                format!(
+                    "{} GPUs described; gpusim simulates at most {MAX_GPUS}",
+                    raw.gpu.len()
+                ),
+            ));
         }
         let depth = *raw.launch_queue_depth.get_ref();
         if depth == 0 || depth as usize > QUEUE_CAP {
@@ -252,7 +267,10 @@ impl Config {
             ));
         }
         if *raw.timeslice_us.get_ref() == 0 {
-            return Err(invalid(raw.timeslice_us.span().start, "timeslice_us must be positive".into()));
+            return Err(invalid(
+                raw.timeslice_us.span().start,
+                "timeslice_us must be positive".into(),
+            ));
         }
         let period = *raw.sample_period_us.get_ref();
         if !(1000..=1_000_000).contains(&period) {
@@ -265,7 +283,9 @@ impl Config {
         if !(2000..=99_990).contains(&cuda) || cuda % 10 != 0 {
             return Err(invalid(
                 raw.cuda_version.span().start,
-                format!("cuda_version = {cuda}: write 1000*major + 10*minor, e.g. 12090 for CUDA 12.9"),
+                format!(
+                    "cuda_version = {cuda}: write 1000*major + 10*minor, e.g. 12090 for CUDA 12.9"
+                ),
             ));
         }
         let mut gpus = Vec::with_capacity(raw.gpu.len());
@@ -276,10 +296,19 @@ impl Config {
             for (j, other) in gpus.iter().enumerate() {
                 let other: &GpuConfig = other;
                 if other.uuid.eq_ignore_ascii_case(&gpu.uuid) {
-                    return Err(invalid(at, format!("gpu {i}: uuid {} is already used by gpu {j}", gpu.uuid)));
+                    return Err(invalid(
+                        at,
+                        format!("gpu {i}: uuid {} is already used by gpu {j}", gpu.uuid),
+                    ));
                 }
                 if normalize_bus_id(&other.pci_bus_id) == normalize_bus_id(&gpu.pci_bus_id) {
-                    return Err(invalid(at, format!("gpu {i}: pci_bus_id {} is already used by gpu {j}", gpu.pci_bus_id)));
+                    return Err(invalid(
+                        at,
+                        format!(
+                            "gpu {i}: pci_bus_id {} is already used by gpu {j}",
+                            gpu.pci_bus_id
+                        ),
+                    ));
                 }
             }
             gpus.push(gpu);
@@ -292,14 +321,26 @@ impl Config {
             if a >= gpus.len() || b >= gpus.len() || a == b {
                 return Err(invalid(
                     at,
-                    format!("link gpus = [{a}, {b}]: name two different GPU indices below {}", gpus.len()),
+                    format!(
+                        "link gpus = [{a}, {b}]: name two different GPU indices below {}",
+                        gpus.len()
+                    ),
                 ));
             }
-            if links.iter().any(|o| (o.gpus == [a, b]) || (o.gpus == [b, a])) {
-                return Err(invalid(at, format!("link between gpu {a} and gpu {b} is described twice")));
+            if links
+                .iter()
+                .any(|o| (o.gpus == [a, b]) || (o.gpus == [b, a]))
+            {
+                return Err(invalid(
+                    at,
+                    format!("link between gpu {a} and gpu {b} is described twice"),
+                ));
             }
             if link.nvlinks > 18 {
-                return Err(invalid(at, format!("nvlinks = {}: a GPU has at most 18 NVLinks", link.nvlinks)));
+                return Err(invalid(
+                    at,
+                    format!("nvlinks = {}: a GPU has at most 18 NVLinks", link.nvlinks),
+                ));
             }
             links.push(link);
         }
@@ -336,7 +377,11 @@ impl Config {
             let _ = writeln!(s, "memory_mib = {}", g.memory_mib);
             let _ = writeln!(s, "sm_count = {}", g.sm_count);
             let _ = writeln!(s, "max_threads_per_sm = {}", g.max_threads_per_sm);
-            let _ = writeln!(s, "compute_capability = {}", toml_str(&g.compute_capability));
+            let _ = writeln!(
+                s,
+                "compute_capability = {}",
+                toml_str(&g.compute_capability)
+            );
             let _ = writeln!(s, "pci_bus_id = {}", toml_str(&g.pci_bus_id));
             let _ = writeln!(s, "numa_node = {}", g.numa_node);
             let _ = writeln!(s, "reserved_mib = {}", g.reserved_mib);
@@ -367,9 +412,16 @@ impl Config {
 
     /// The PCIe relation and NVLink lane count between GPUs `a` and `b`.
     pub fn link_between(&self, a: usize, b: usize) -> (PcieLevel, u32) {
-        let found = self.link.iter().find(|l| l.gpus == [a, b] || l.gpus == [b, a]);
+        let found = self
+            .link
+            .iter()
+            .find(|l| l.gpus == [a, b] || l.gpus == [b, a]);
         let same_node = self.gpu[a].numa_node == self.gpu[b].numa_node;
-        let default = if same_node { PcieLevel::Node } else { PcieLevel::System };
+        let default = if same_node {
+            PcieLevel::Node
+        } else {
+            PcieLevel::System
+        };
         match found {
             Some(l) => (l.pcie.unwrap_or(default), l.nvlinks),
             None => (default, 0),
@@ -440,16 +492,28 @@ fn check_gpu(i: usize, g: &GpuConfig) -> Result<(), String> {
         ));
     }
     if g.memory_mib == 0 || g.memory_mib > (1 << 24) {
-        return Err(format!("gpu {i}: memory_mib = {} must be 1..=16777216", g.memory_mib));
+        return Err(format!(
+            "gpu {i}: memory_mib = {} must be 1..=16777216",
+            g.memory_mib
+        ));
     }
     if g.reserved_mib >= g.memory_mib {
-        return Err(format!("gpu {i}: reserved_mib = {} must be below memory_mib", g.reserved_mib));
+        return Err(format!(
+            "gpu {i}: reserved_mib = {} must be below memory_mib",
+            g.reserved_mib
+        ));
     }
     if g.sm_count == 0 || g.sm_count > 1024 {
-        return Err(format!("gpu {i}: sm_count = {} must be 1..=1024", g.sm_count));
+        return Err(format!(
+            "gpu {i}: sm_count = {} must be 1..=1024",
+            g.sm_count
+        ));
     }
     if g.max_threads_per_sm < 32 || g.max_threads_per_sm > 4096 {
-        return Err(format!("gpu {i}: max_threads_per_sm = {} must be 32..=4096", g.max_threads_per_sm));
+        return Err(format!(
+            "gpu {i}: max_threads_per_sm = {} must be 32..=4096",
+            g.max_threads_per_sm
+        ));
     }
     let cc_ok = {
         let mut it = g.compute_capability.split('.');
@@ -470,7 +534,10 @@ fn check_gpu(i: usize, g: &GpuConfig) -> Result<(), String> {
         ));
     }
     if g.numa_node < -1 || g.numa_node > 63 {
-        return Err(format!("gpu {i}: numa_node = {} must be -1..=63", g.numa_node));
+        return Err(format!(
+            "gpu {i}: numa_node = {} must be -1..=63",
+            g.numa_node
+        ));
     }
     Ok(())
 }
@@ -546,11 +613,22 @@ mod tests {
     fn semantic_error_names_the_gpu_table_line() {
         let text = DEFAULT_CONFIG.replace("memory_mib = 40960\nsm_count = 108\nmax_threads_per_sm = 2048\ncompute_capability = \"8.0\"\npci_bus_id = \"00000000:0F:00.0\"", "memory_mib = 40960\nsm_count = 108\nmax_threads_per_sm = 2048\ncompute_capability = \"8.0\"\npci_bus_id = \"00000000:07:00.0\"");
         let e = Config::parse(&text, "c.toml").unwrap_err();
-        let ConfigError::Invalid { line, msg, .. } = e else { panic!() };
-        let expected_line = DEFAULT_CONFIG.lines().position(|l| l.contains("GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d402")).unwrap();
+        let ConfigError::Invalid { line, msg, .. } = e else {
+            panic!()
+        };
+        let expected_line = DEFAULT_CONFIG
+            .lines()
+            .position(|l| l.contains("GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d402"))
+            .unwrap();
         // the table's span starts at its first key, one line after [[gpu]]
-        assert!(line >= expected_line - 1 && line <= expected_line + 1, "line {line} msg {msg}");
-        assert!(msg.contains("pci_bus_id") && msg.contains("already used by gpu 0"), "{msg}");
+        assert!(
+            line >= expected_line - 1 && line <= expected_line + 1,
+            "line {line} msg {msg}"
+        );
+        assert!(
+            msg.contains("pci_bus_id") && msg.contains("already used by gpu 0"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -563,16 +641,25 @@ mod tests {
     #[test]
     fn bad_uuid_and_link_rejected() {
         let t = DEFAULT_CONFIG.replace("GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d402", "GPU-1234");
-        assert!(Config::parse(&t, "c").unwrap_err().to_string().contains("uuid"));
+        assert!(Config::parse(&t, "c")
+            .unwrap_err()
+            .to_string()
+            .contains("uuid"));
         let t = DEFAULT_CONFIG.replace("gpus = [0, 1]", "gpus = [0, 5]");
-        assert!(Config::parse(&t, "c").unwrap_err().to_string().contains("link gpus"));
+        assert!(Config::parse(&t, "c")
+            .unwrap_err()
+            .to_string()
+            .contains("link gpus"));
     }
 
     #[test]
     fn parses_ids() {
         assert_eq!(parse_bus_id("00000000:0F:00.0"), Some((0, 15, 0, 0)));
         assert_eq!(parse_bus_id("0000:3b:00.1"), Some((0, 0x3b, 0, 1)));
-        assert_eq!(normalize_bus_id("0000:3b:00.0").unwrap(), "00000000:3B:00.0");
+        assert_eq!(
+            normalize_bus_id("0000:3b:00.0").unwrap(),
+            "00000000:3B:00.0"
+        );
         assert!(parse_bus_id("zz").is_none());
         let u = parse_uuid("GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d401").unwrap();
         assert_eq!(u[0], 0x5a);

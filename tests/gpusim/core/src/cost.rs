@@ -27,7 +27,9 @@ pub fn duration_from_name(name: &str) -> Option<u64> {
                     b"ms" => Some(1_000_000),
                     _ => None,
                 };
-                let boundary = b.get(j + 2).is_none_or(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit()));
+                let boundary = b
+                    .get(j + 2)
+                    .is_none_or(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit()));
                 if let (Some(m), true) = (mult, boundary) {
                     if let Ok(n) = name[i + 1..j].parse::<u64>() {
                         found = Some(n.saturating_mul(m));
@@ -41,7 +43,14 @@ pub fn duration_from_name(name: &str) -> Option<u64> {
 }
 
 /// Device time of one launch.
-pub fn kernel_duration_ns(name: &str, grid: [u32; 3], block: [u32; 3], sm_count: u32, max_threads_per_sm: u32, wave_ns: u64) -> u64 {
+pub fn kernel_duration_ns(
+    name: &str,
+    grid: [u32; 3],
+    block: [u32; 3],
+    sm_count: u32,
+    max_threads_per_sm: u32,
+    wave_ns: u64,
+) -> u64 {
     if let Some(d) = duration_from_name(name) {
         return d;
     }
@@ -72,11 +81,26 @@ mod tests {
     #[test]
     fn waves_scale_with_grid_and_sms() {
         // 108 SMs × (2048/256 = 8 blocks) = 864 blocks per wave
-        assert_eq!(kernel_duration_ns("k", [864, 1, 1], [256, 1, 1], 108, 2048, 5000), 5000);
-        assert_eq!(kernel_duration_ns("k", [865, 1, 1], [256, 1, 1], 108, 2048, 5000), 10_000);
-        assert_eq!(kernel_duration_ns("k", [1, 1, 1], [1, 1, 1], 108, 2048, 5000), 5000);
+        assert_eq!(
+            kernel_duration_ns("k", [864, 1, 1], [256, 1, 1], 108, 2048, 5000),
+            5000
+        );
+        assert_eq!(
+            kernel_duration_ns("k", [865, 1, 1], [256, 1, 1], 108, 2048, 5000),
+            10_000
+        );
+        assert_eq!(
+            kernel_duration_ns("k", [1, 1, 1], [1, 1, 1], 108, 2048, 5000),
+            5000
+        );
         // fewer SMs: more waves for the same grid
-        assert_eq!(kernel_duration_ns("k", [864, 1, 1], [256, 1, 1], 54, 2048, 5000), 10_000);
-        assert_eq!(kernel_duration_ns("spin_3ms", [99999, 1, 1], [1024, 1, 1], 1, 32, 5000), 3_000_000);
+        assert_eq!(
+            kernel_duration_ns("k", [864, 1, 1], [256, 1, 1], 54, 2048, 5000),
+            10_000
+        );
+        assert_eq!(
+            kernel_duration_ns("spin_3ms", [99999, 1, 1], [1024, 1, 1], 1, 32, 5000),
+            3_000_000
+        );
     }
 }

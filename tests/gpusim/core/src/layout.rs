@@ -185,7 +185,11 @@ mod tests {
     fn sizes_are_stable_and_aligned() {
         assert_eq!(std::mem::size_of::<Entry>(), 24);
         assert_eq!(std::mem::align_of::<Gpu>(), 8);
-        assert!(file_size(8) < 16 << 20, "state file stays small: {}", file_size(8));
+        assert!(
+            file_size(8) < 16 << 20,
+            "state file stays small: {}",
+            file_size(8)
+        );
         assert_eq!(gpu_offset(0) % 4096, 0);
     }
 }

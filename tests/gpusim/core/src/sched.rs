@@ -92,7 +92,10 @@ impl Sched {
             let (owner, pid, run, done) = {
                 let q = &mut self.queues[qi];
                 let e = &mut q.entries[(q.head % QUEUE_CAP as u64) as usize];
-                let run = e.remaining.min(p.timeslice_ns - self.slice_used).min(to - start);
+                let run = e
+                    .remaining
+                    .min(p.timeslice_ns - self.slice_used)
+                    .min(to - start);
                 e.remaining -= run;
                 q.pending -= run;
                 let done = if e.remaining == 0 {
@@ -131,7 +134,8 @@ impl Sched {
             }
             pr.busy += chunk;
             if (slot as usize) < MAX_PROCS {
-                pr.proc_busy[slot as usize] = pr.proc_busy[slot as usize].saturating_add(chunk as u32);
+                pr.proc_busy[slot as usize] =
+                    pr.proc_busy[slot as usize].saturating_add(chunk as u32);
                 pr.proc_pid[slot as usize] = pid;
             }
             t += chunk;
@@ -243,8 +247,15 @@ impl Sched {
 }
 
 fn next_in(after: u32, ok: impl Fn(usize) -> bool) -> Option<u32> {
-    let start = if after == NONE { MAX_QUEUES - 1 } else { after as usize };
-    (1..=MAX_QUEUES).map(|d| (start + d) % MAX_QUEUES).find(|&i| ok(i)).map(|i| i as u32)
+    let start = if after == NONE {
+        MAX_QUEUES - 1
+    } else {
+        after as usize
+    };
+    (1..=MAX_QUEUES)
+        .map(|d| (start + d) % MAX_QUEUES)
+        .find(|&i| ok(i))
+        .map(|i| i as u32)
 }
 
 #[cfg(test)]
@@ -260,7 +271,10 @@ mod tests {
         s
     }
 
-    const P: Params = Params { timeslice_ns: 2_000_000, period_ns: 166_667_000 };
+    const P: Params = Params {
+        timeslice_ns: 2_000_000,
+        period_ns: 166_667_000,
+    };
 
     #[derive(Default)]
     struct Rec {
@@ -330,7 +344,10 @@ mod tests {
 
     #[test]
     fn periods_split_busy_time_at_boundaries() {
-        let p = Params { timeslice_ns: 1_000, period_ns: 100 };
+        let p = Params {
+            timeslice_ns: 1_000,
+            period_ns: 100,
+        };
         let mut s = new_sched(50);
         let q = s.claim_queue(3, 9, 1).unwrap();
         s.push(q, 120, 1);

@@ -19,8 +19,14 @@ use crate::sched::{Params, Sink};
 pub enum SimError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("gpusim: state file {path}: cannot {op}: {err}; set GPUSIM_STATE to a writable file path")]
-    StateIo { path: String, op: &'static str, err: String },
+    #[error(
+        "gpusim: state file {path}: cannot {op}: {err}; set GPUSIM_STATE to a writable file path"
+    )]
+    StateIo {
+        path: String,
+        op: &'static str,
+        err: String,
+    },
     #[error("gpusim: state file {path} is corrupt ({why}); delete it (rm {path}) and restart the processes that use it")]
     StateCorrupt { path: String, why: String },
     #[error("gpusim: state file {path} was created for other GPUs than GPUSIM_CONFIG={config} describes; delete it or set GPUSIM_STATE to another path")]
@@ -33,14 +39,20 @@ pub enum SimError {
 
 /// Monotonic clock in ns (vDSO, no system call).
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: ts is a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn realtime_ns() -> i64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: as above.
     unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
     ts.tv_sec * 1_000_000_000 + ts.tv_nsec
@@ -48,10 +60,20 @@ fn realtime_ns() -> i64 {
 
 /// Sleep until monotonic time `t` (ns). Returns at once if `t` has passed.
 pub fn sleep_until(t: u64) {
-    let ts = libc::timespec { tv_sec: (t / 1_000_000_000) as libc::time_t, tv_nsec: (t % 1_000_000_000) as libc::c_long };
+    let ts = libc::timespec {
+        tv_sec: (t / 1_000_000_000) as libc::time_t,
+        tv_nsec: (t % 1_000_000_000) as libc::c_long,
+    };
     loop {
         // SAFETY: ts is a valid timespec; the remaining-time pointer may be NULL with TIMER_ABSTIME.
-        let rc = unsafe { libc::clock_nanosleep(libc::CLOCK_MONOTONIC, libc::TIMER_ABSTIME, &ts, std::ptr::null_mut()) };
+        let rc = unsafe {
+            libc::clock_nanosleep(
+                libc::CLOCK_MONOTONIC,
+                libc::TIMER_ABSTIME,
+                &ts,
+                std::ptr::null_mut(),
+            )
+        };
         if rc != libc::EINTR {
             return;
         }
@@ -195,7 +217,11 @@ impl Sink for SlotSink<'_> {
 }
 
 fn io_err(path: &Path, op: &'static str, err: std::io::Error) -> SimError {
-    SimError::StateIo { path: path.display().to_string(), op, err: err.to_string() }
+    SimError::StateIo {
+        path: path.display().to_string(),
+        op,
+        err: err.to_string(),
+    }
 }
 
 impl State {
@@ -213,10 +239,21 @@ impl State {
     /// Open or create `path`. `config` is the GPU description the caller wants (and where it
     /// came from); `None` accepts whatever the file holds.
     pub fn open(path: &Path, config: Option<(Config, PathBuf)>) -> Result<State, SimError> {
-        let cpath = CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| io_err(path, "open it", std::io::Error::from(std::io::ErrorKind::InvalidInput)))?;
+        let cpath = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
+            io_err(
+                path,
+                "open it",
+                std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            )
+        })?;
         // SAFETY: cpath is NUL-terminated; open has no other preconditions.
-        let fd = unsafe { libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o666 as libc::c_uint) };
+        let fd = unsafe {
+            libc::open(
+                cpath.as_ptr(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC,
+                0o666 as libc::c_uint,
+            )
+        };
         if fd < 0 {
             return Err(io_err(path, "open it", std::io::Error::last_os_error()));
         }
@@ -233,11 +270,22 @@ impl State {
             State::setup(&fd, path, config)?
         };
         let params = params_of(&config);
-        Ok(State { fd, base, len, path: path.to_path_buf(), params, config })
+        Ok(State {
+            fd,
+            base,
+            len,
+            path: path.to_path_buf(),
+            params,
+            config,
+        })
     }
 
     /// Map the file, creating its contents if nobody has; the caller holds the flock.
-    fn setup(fd: &OwnedFd, path: &Path, config: Option<(Config, PathBuf)>) -> Result<(*mut u8, usize, Config), SimError> {
+    fn setup(
+        fd: &OwnedFd,
+        path: &Path,
+        config: Option<(Config, PathBuf)>,
+    ) -> Result<(*mut u8, usize, Config), SimError> {
         let size = fstat_size(fd).map_err(|e| io_err(path, "stat it", e))?;
         if size > 0 && size < HEADER_SIZE as u64 {
             return Err(SimError::StateCorrupt {
@@ -253,13 +301,22 @@ impl State {
             magic != 0
         };
         if !existing {
-            let (config, _) = config.unwrap_or_else(|| (Config::default_config(), PathBuf::from("<built-in default>")));
+            let (config, _) = config.unwrap_or_else(|| {
+                (
+                    Config::default_config(),
+                    PathBuf::from("<built-in default>"),
+                )
+            });
             return State::create(fd, path, config);
         }
         State::attach(fd, path, size, config)
     }
 
-    fn create(fd: &OwnedFd, path: &Path, config: Config) -> Result<(*mut u8, usize, Config), SimError> {
+    fn create(
+        fd: &OwnedFd,
+        path: &Path,
+        config: Config,
+    ) -> Result<(*mut u8, usize, Config), SimError> {
         let n = config.gpu.len();
         let len = file_size(n);
         let text = config.to_toml();
@@ -267,12 +324,17 @@ impl State {
             return Err(SimError::Config(ConfigError::Invalid {
                 path: "GPUSIM_CONFIG".into(),
                 line: 1,
-                msg: format!("the config is {} bytes written out; gpusim stores at most {CONFIG_MAX}", text.len()),
+                msg: format!(
+                    "the config is {} bytes written out; gpusim stores at most {CONFIG_MAX}",
+                    text.len()
+                ),
             }));
         }
         // Start from zeros even if a creator died half-way before us.
         // SAFETY: fd is open for writing.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), 0) } != 0 || unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), 0) } != 0
+            || unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0
+        {
             return Err(io_err(path, "size it", std::io::Error::last_os_error()));
         }
         let map = Mapping::new(fd, len).map_err(|e| io_err(path, "map it", e))?;
@@ -285,7 +347,8 @@ impl State {
             h.num_gpus = n as u32;
             h.file_size = len as u64;
             h.config_fingerprint = config.fingerprint();
-            h.realtime_offset_ns.store(realtime_ns() - now as i64, Relaxed);
+            h.realtime_offset_ns
+                .store(realtime_ns() - now as i64, Relaxed);
             h.config_len = text.len() as u32;
             h.config_text.get_mut()[..text.len()].copy_from_slice(text.as_bytes());
             // SAFETY: exclusive access as above.
@@ -300,40 +363,67 @@ impl State {
             unsafe { &mut *gpu.sched.get() }.reset(now);
         }
         // SAFETY: the header is initialised; publishing the magic makes the file usable.
-        unsafe { &*(map.ptr as *const Header) }.magic.store(MAGIC, Release);
+        unsafe { &*(map.ptr as *const Header) }
+            .magic
+            .store(MAGIC, Release);
         Ok((map.take(), len, config))
     }
 
-    fn attach(fd: &OwnedFd, path: &Path, size: u64, want: Option<(Config, PathBuf)>) -> Result<(*mut u8, usize, Config), SimError> {
-        let corrupt = |why: String| SimError::StateCorrupt { path: path.display().to_string(), why };
+    fn attach(
+        fd: &OwnedFd,
+        path: &Path,
+        size: u64,
+        want: Option<(Config, PathBuf)>,
+    ) -> Result<(*mut u8, usize, Config), SimError> {
+        let corrupt = |why: String| SimError::StateCorrupt {
+            path: path.display().to_string(),
+            why,
+        };
         let head = Mapping::new(fd, HEADER_SIZE).map_err(|e| io_err(path, "map it", e))?;
         // SAFETY: the mapping holds a whole Header.
         let h = unsafe { &*(head.ptr as *const Header) };
         let magic = h.magic.load(Acquire);
         if magic != MAGIC {
-            return Err(corrupt(format!("bad magic number {magic:#018x}, expected {MAGIC:#018x}")));
+            return Err(corrupt(format!(
+                "bad magic number {magic:#018x}, expected {MAGIC:#018x}"
+            )));
         }
         if h.version != VERSION {
-            return Err(corrupt(format!("layout version {} but this gpusim reads version {VERSION}", h.version)));
+            return Err(corrupt(format!(
+                "layout version {} but this gpusim reads version {VERSION}",
+                h.version
+            )));
         }
         let n = h.num_gpus as usize;
         if n == 0 || n > MAX_GPUS || h.file_size != file_size(n) as u64 || size != h.file_size {
-            return Err(corrupt(format!("{n} GPUs, recorded size {} and actual size {size} do not match", h.file_size)));
+            return Err(corrupt(format!(
+                "{n} GPUs, recorded size {} and actual size {size} do not match",
+                h.file_size
+            )));
         }
         let clen = h.config_len as usize;
         if clen > CONFIG_MAX {
-            return Err(corrupt(format!("config length {clen} exceeds {CONFIG_MAX}")));
+            return Err(corrupt(format!(
+                "config length {clen} exceeds {CONFIG_MAX}"
+            )));
         }
         // SAFETY: config_text is plain bytes inside the mapping, written once at creation.
         let text = unsafe { &(&*h.config_text.get())[..clen] };
-        let text = std::str::from_utf8(text).map_err(|_| corrupt("stored config is not UTF-8".into()))?;
-        let stored = Config::parse(text, "(stored in the state file)").map_err(|e| corrupt(e.to_string()))?;
+        let text =
+            std::str::from_utf8(text).map_err(|_| corrupt("stored config is not UTF-8".into()))?;
+        let stored = Config::parse(text, "(stored in the state file)")
+            .map_err(|e| corrupt(e.to_string()))?;
         if stored.gpu.len() != n || stored.fingerprint() != h.config_fingerprint {
-            return Err(corrupt("stored config does not match its fingerprint".into()));
+            return Err(corrupt(
+                "stored config does not match its fingerprint".into(),
+            ));
         }
         if let Some((want, from)) = want {
             if want.fingerprint() != stored.fingerprint() {
-                return Err(SimError::ConfigMismatch { path: path.display().to_string(), config: from.display().to_string() });
+                return Err(SimError::ConfigMismatch {
+                    path: path.display().to_string(),
+                    config: from.display().to_string(),
+                });
             }
         }
         drop(head);
@@ -358,7 +448,9 @@ impl State {
     /// All process slots.
     pub fn slots(&self) -> &[ProcSlot] {
         // SAFETY: MAX_PROCS slots follow the header inside the mapping (see layout).
-        unsafe { std::slice::from_raw_parts(self.base.add(slot_offset(0)) as *const ProcSlot, MAX_PROCS) }
+        unsafe {
+            std::slice::from_raw_parts(self.base.add(slot_offset(0)) as *const ProcSlot, MAX_PROCS)
+        }
     }
 
     /// GPU `g`'s shared block. Panics if `g` is out of range (callers validate ordinals).
@@ -373,7 +465,10 @@ impl State {
     }
 
     fn lock_err(&self, err: LockError) -> SimError {
-        SimError::Lock { path: self.path.display().to_string(), err }
+        SimError::Lock {
+            path: self.path.display().to_string(),
+            err,
+        }
     }
 
     /// Lock GPU `g`'s scheduler and bring its timeline up to now.
@@ -381,7 +476,10 @@ impl State {
         let gpu = self.gpu(g);
         gpu.lock.lock().map_err(|e| self.lock_err(e))?;
         let mut guard = SchedGuard { gpu };
-        let mut sink = SlotSink { slots: self.slots(), g };
+        let mut sink = SlotSink {
+            slots: self.slots(),
+            g,
+        };
         guard.advance(now_ns(), &self.params, &mut sink);
         Ok(guard)
     }
@@ -393,7 +491,12 @@ impl State {
 
     // ---- processes ----------------------------------------------------------------------
 
-    fn liveness_lock(&self, slot: u32, cmd: libc::c_int, ltype: libc::c_int) -> std::io::Result<libc::c_int> {
+    fn liveness_lock(
+        &self,
+        slot: u32,
+        cmd: libc::c_int,
+        ltype: libc::c_int,
+    ) -> std::io::Result<libc::c_int> {
         let mut fl: libc::flock = {
             // SAFETY: flock is plain data; all-zero is valid (and l_pid must be 0 for OFD locks).
             unsafe { std::mem::zeroed() }
@@ -446,7 +549,10 @@ impl State {
                 continue;
             }
             // A dead owner's forked child may still hold the byte; then take another slot.
-            if self.liveness_lock(i as u32, libc::F_OFD_SETLK, libc::F_WRLCK).is_err() {
+            if self
+                .liveness_lock(i as u32, libc::F_OFD_SETLK, libc::F_WRLCK)
+                .is_err()
+            {
                 continue;
             }
             let generation = s.generation.load(Relaxed).wrapping_add(1);
@@ -460,9 +566,15 @@ impl State {
                 s.contexts[g].store(0, Relaxed);
             }
             s.state.store(SLOT_ACTIVE, Release);
-            return Ok(ProcHandle { slot: i as u32, generation, pid });
+            return Ok(ProcHandle {
+                slot: i as u32,
+                generation,
+                pid,
+            });
         }
-        Err(SimError::NoProcessSlot { path: self.path.display().to_string() })
+        Err(SimError::NoProcessSlot {
+            path: self.path.display().to_string(),
+        })
     }
 
     /// Release everything the calling process holds (normal exit), without waiting longer
@@ -569,7 +681,9 @@ impl State {
         let used = &self.gpu(g).mem_used;
         let mut cur = used.load(Relaxed);
         loop {
-            let Some(next) = cur.checked_add(bytes).filter(|&n| n <= cap) else { return false };
+            let Some(next) = cur.checked_add(bytes).filter(|&n| n <= cap) else {
+                return false;
+            };
             match used.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
                 Ok(_) => break,
                 Err(c) => cur = c,
@@ -598,7 +712,9 @@ impl State {
         if delta >= 0 {
             c.fetch_add(delta as u32, Relaxed);
         } else {
-            let _ = c.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(delta.unsigned_abs())));
+            let _ = c.fetch_update(Relaxed, Relaxed, |v| {
+                Some(v.saturating_sub(delta.unsigned_abs()))
+            });
         }
     }
 
@@ -624,13 +740,36 @@ impl State {
     /// Queue `duration_ns` of work (standing for `kernels` kernels); blocks while the
     /// context already has `launch_queue_depth` entries pending. Returns the entry's
     /// sequence number.
-    pub fn launch(&self, g: usize, qi: usize, duration_ns: u64, kernels: u32) -> Result<u64, SimError> {
+    pub fn launch(
+        &self,
+        g: usize,
+        qi: usize,
+        duration_ns: u64,
+        kernels: u32,
+    ) -> Result<u64, SimError> {
+        self.launch_harvest(g, qi, duration_ns, kernels, &mut |_, _| {})
+    }
+
+    /// [`State::launch`], first handing `harvest(seq, done_at)` the completed entry whose
+    /// record the new one overwrites (the ring keeps the last `QUEUE_CAP` entries), so the
+    /// caller can keep completion times it still needs (recorded events).
+    pub fn launch_harvest(
+        &self,
+        g: usize,
+        qi: usize,
+        duration_ns: u64,
+        kernels: u32,
+        harvest: &mut dyn FnMut(u64, u64),
+    ) -> Result<u64, SimError> {
         self.maybe_reap();
         let depth = u64::from(self.config.launch_queue_depth);
         loop {
             let mut s = self.sched(g)?;
             let q = &s.queues[qi];
             if q.tail - q.head < depth {
+                if let Some(old) = q.tail.checked_sub(QUEUE_CAP as u64) {
+                    harvest(old, q.entries[(old % QUEUE_CAP as u64) as usize].done_at);
+                }
                 return Ok(s.push(qi, duration_ns, kernels));
             }
             let oldest = q.tail - depth;
@@ -701,13 +840,19 @@ impl State {
 
     /// Per-process samples of complete periods newer than wall-clock `last_seen_us` (0 = all
     /// kept), newest first: one per process per period in which it ran.
-    pub fn process_samples(&self, g: usize, last_seen_us: u64) -> Result<Vec<ProcSample>, SimError> {
+    pub fn process_samples(
+        &self,
+        g: usize,
+        last_seen_us: u64,
+    ) -> Result<Vec<ProcSample>, SimError> {
         let s = self.sched(g)?;
         let p = self.params.period_ns;
         let newest = (s.sim_time / p).saturating_sub(1);
         let mut out = Vec::new();
         for back in 0..PERIODS as u64 {
-            let Some(k) = newest.checked_sub(back) else { break };
+            let Some(k) = newest.checked_sub(back) else {
+                break;
+            };
             let ts = self.wall_us((k + 1) * p);
             if ts <= last_seen_us {
                 break;
@@ -716,7 +861,12 @@ impl State {
             for i in 0..MAX_PROCS {
                 if pr.proc_busy[i] > 0 {
                     let sm = pct(u64::from(pr.proc_busy[i]), p).max(1);
-                    out.push(ProcSample { pid: pr.proc_pid[i], timestamp_us: ts, sm_util: sm, mem_util: mem_util_of(sm) });
+                    out.push(ProcSample {
+                        pid: pr.proc_pid[i],
+                        timestamp_us: ts,
+                        sm_util: sm,
+                        mem_util: mem_util_of(sm),
+                    });
                 }
             }
         }
@@ -731,7 +881,9 @@ impl State {
         let newest = (s.sim_time / p).saturating_sub(1);
         let mut out = Vec::new();
         for back in (0..PERIODS as u64).rev() {
-            let Some(k) = newest.checked_sub(back) else { continue };
+            let Some(k) = newest.checked_sub(back) else {
+                continue;
+            };
             let ts = self.wall_us((k + 1) * p);
             if ts > last_seen_us {
                 out.push((ts, pct(s.period_busy(k), p)));
@@ -776,11 +928,22 @@ impl State {
     /// Sleep until an XID is injected on any GPU (the total moves off `seen`) or until
     /// `timeout_ms` passes.
     pub fn wait_xid_change(&self, seen: u32, timeout_ms: u32) {
-        let ts = libc::timespec { tv_sec: (timeout_ms / 1000) as libc::time_t, tv_nsec: ((timeout_ms % 1000) * 1_000_000) as libc::c_long };
+        let ts = libc::timespec {
+            tv_sec: (timeout_ms / 1000) as libc::time_t,
+            tv_nsec: ((timeout_ms % 1000) * 1_000_000) as libc::c_long,
+        };
         // SAFETY: the futex word lives in the shared mapping for as long as self; a relative
         // timeout is passed; FUTEX_WAIT returns at once if the word is not `seen`.
         unsafe {
-            libc::syscall(libc::SYS_futex, self.header().xid_total.as_ptr(), libc::FUTEX_WAIT, seen, &ts as *const libc::timespec, 0usize, 0u32);
+            libc::syscall(
+                libc::SYS_futex,
+                self.header().xid_total.as_ptr(),
+                libc::FUTEX_WAIT,
+                seen,
+                &ts as *const libc::timespec,
+                0usize,
+                0u32,
+            );
         }
     }
 }
@@ -795,26 +958,41 @@ fn pct(busy: u64, period: u64) -> u32 {
 }
 
 fn params_of(c: &Config) -> Params {
-    Params { timeslice_ns: c.timeslice_us * 1000, period_ns: c.sample_period_us * 1000 }
+    Params {
+        timeslice_ns: c.timeslice_us * 1000,
+        period_ns: c.sample_period_us * 1000,
+    }
 }
 
 fn futex_wake(word: &AtomicU32) {
     // SAFETY: word is a valid aligned u32 in the shared mapping; FUTEX_WAKE has no other
     // preconditions.
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            0usize,
+            0usize,
+            0u32,
+        );
     }
 }
 
 fn pid_alive(pid: u32) -> bool {
     // SAFETY: kill with signal 0 only checks for existence.
-    if unsafe { libc::kill(pid as libc::pid_t, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+    if unsafe { libc::kill(pid as libc::pid_t, 0) } != 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    {
         return false;
     }
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => {
             // state is the field after the parenthesised comm
-            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next());
             !matches!(state, Some('Z') | Some('X'))
         }
         Err(_) => false,
@@ -826,7 +1004,10 @@ fn store_name(words: &[AtomicU64; 8], name: &str) {
     let n = name.len().min(63);
     buf[..n].copy_from_slice(&name.as_bytes()[..n]);
     for (i, w) in words.iter().enumerate() {
-        w.store(u64::from_le_bytes(buf[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8])), Relaxed);
+        w.store(
+            u64::from_le_bytes(buf[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8])),
+            Relaxed,
+        );
     }
 }
 
@@ -858,7 +1039,16 @@ struct Mapping {
 impl Mapping {
     fn new(fd: &OwnedFd, len: usize) -> std::io::Result<Mapping> {
         // SAFETY: mapping a regular file we have open read-write; the kernel picks the address.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
@@ -885,7 +1075,11 @@ mod tests {
 
     fn tmp_state() -> (tempfile::TempDir, State) {
         let dir = tempfile::tempdir().unwrap();
-        let st = State::open(&dir.path().join("s"), Some((Config::default_config(), "x".into()))).unwrap();
+        let st = State::open(
+            &dir.path().join("s"),
+            Some((Config::default_config(), "x".into())),
+        )
+        .unwrap();
         (dir, st)
     }
 
@@ -905,8 +1099,14 @@ mod tests {
         let (dir, _st) = tmp_state();
         let mut other = Config::default_config();
         other.gpu[0].memory_mib = 1024;
-        let e = State::open(&dir.path().join("s"), Some((other, "/x.toml".into()))).err().unwrap();
-        assert!(e.to_string().contains("was created for other GPUs than GPUSIM_CONFIG=/x.toml"), "{e}");
+        let e = State::open(&dir.path().join("s"), Some((other, "/x.toml".into())))
+            .err()
+            .unwrap();
+        assert!(
+            e.to_string()
+                .contains("was created for other GPUs than GPUSIM_CONFIG=/x.toml"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -915,11 +1115,19 @@ mod tests {
         let path = dir.path().join("s");
         std::fs::write(&path, vec![0xAB; file_size(2)]).unwrap();
         let e = State::open(&path, None).err().unwrap().to_string();
-        assert!(e.contains("is corrupt") && e.contains("bad magic") && e.contains(path.to_str().unwrap()), "{e}");
+        assert!(
+            e.contains("is corrupt")
+                && e.contains("bad magic")
+                && e.contains(path.to_str().unwrap()),
+            "{e}"
+        );
         assert!(!e.contains('\n'));
         std::fs::write(&path, b"junk").unwrap();
         let e = State::open(&path, None).err().unwrap().to_string();
-        assert!(e.contains("is corrupt") && e.contains("shorter than"), "{e}");
+        assert!(
+            e.contains("is corrupt") && e.contains("shorter than"),
+            "{e}"
+        );
         // an interrupted creation (size set, magic never written) is simply redone
         std::fs::write(&path, vec![0; file_size(2)]).unwrap();
         assert!(State::open(&path, None).is_ok());

@@ -1,0 +1,416 @@
+//! The process-wide driver: the shared simulator, this process's slot, and every object the
+//! application created (contexts, modules, streams, allocations, …), keyed by handle id.
+//!
+//! Locks, in the order they may be taken: `Driver::inner` (this process's objects), then a
+//! GPU's lock inside gpusim-core, then `Driver::watch` (a leaf). Nothing blocks — sleeping
+//! for the device timeline — while holding `inner`.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::OnceLock;
+
+use gpusim_core::layout::MAX_GPUS;
+use gpusim_core::{ProcHandle, State};
+use parking_lot::Mutex;
+
+use crate::errors::*;
+use crate::ffi::{Handle, R};
+use crate::va::Region;
+
+/// A fast hasher for our own u64 ids (sequential, so a multiply spreads them well).
+#[derive(Default)]
+pub struct IdHasher(u64);
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+pub type Map<T> = HashMap<u64, T, BuildHasherDefault<IdHasher>>;
+
+/// `cuCtxSetLimit` values: stack, printf FIFO, malloc heap, sync depth, pending launches,
+/// L2 fetch granularity, persisting L2.
+pub const DEFAULT_LIMITS: [u64; 7] = [1024, 1 << 20, 8 << 20, 2, 2048, 64, 0];
+
+pub struct Ctx {
+    pub dev: usize,
+    pub queue: usize,
+    pub flags: u32,
+    pub primary: bool,
+    /// Device memory this context holds beyond allocations: its overhead, modules, limits.
+    pub charged: u64,
+    pub limits: [u64; 7],
+    /// Sequence number of the last entry this context queued.
+    pub last_seq: Option<u64>,
+}
+
+#[derive(Default, Clone, Copy)]
+pub struct Primary {
+    pub ctx: Option<u64>,
+    pub refs: u32,
+    pub flags: u32,
+}
+
+pub struct Module {
+    pub ctx: u64,
+    /// Kernel names the image declares; `None` for an image gpusim cannot read, where any
+    /// name resolves.
+    pub functions: Option<Vec<String>>,
+    /// Global variables: name → (device address, size).
+    pub globals: HashMap<String, (u64, u64)>,
+    pub charged: u64,
+    /// Functions handed out, by name (the driver returns the same handle each time).
+    pub handles: HashMap<String, u64>,
+    /// The library this module was loaded for, or 0.
+    pub library: u64,
+}
+
+pub struct Func {
+    /// Owning module, or 0 for a context-less library kernel.
+    pub module: u64,
+    /// For a library kernel (`CUkernel`), its library.
+    pub library: u64,
+    pub name: std::ffi::CString,
+    /// Duration fixed by the name (cost model rule 1).
+    pub fixed_ns: Option<u64>,
+    /// Legacy launch state (`cuFuncSetBlockShape`, `cuParamSet*`).
+    pub block_shape: [u32; 3],
+    pub shared_bytes: u32,
+    pub param_size: u32,
+    pub max_dynamic_shared: i32,
+}
+
+pub struct Stream {
+    pub ctx: u64,
+    pub flags: u32,
+    pub priority: i32,
+    pub last_seq: Option<u64>,
+    /// The graph being captured into, if this stream is capturing.
+    pub capture: Option<u64>,
+    pub capture_mode: u32,
+}
+
+#[derive(Clone, Copy)]
+pub struct EventRec {
+    pub dev: usize,
+    pub queue: usize,
+    /// Entry whose completion the event marks; `None` when nothing was pending.
+    pub seq: Option<u64>,
+    /// When it was recorded (monotonic ns).
+    pub at: u64,
+}
+
+pub struct Event {
+    pub ctx: u64,
+    pub flags: u32,
+    pub rec: Option<EventRec>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum AllocKind {
+    Linear,
+    Pitch,
+    Managed,
+    /// From the 32-bit `cuMemAlloc` (v1).
+    Low,
+    /// Stream-ordered, from pool `id`.
+    Pool(u64),
+    /// Made by a graph memory-allocation node of device `dev`'s graph pool.
+    Graph,
+    /// Backing store of an array or mipmapped array.
+    Array,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Alloc {
+    pub size: u64,
+    /// Bytes charged to the device for it (0 when a pool or graph pool holds the charge).
+    pub charged: u64,
+    pub dev: usize,
+    pub ctx: u64,
+    pub kind: AllocKind,
+}
+
+pub struct HostMem {
+    pub size: u64,
+    /// Registered by the application (not ours to free).
+    pub registered: bool,
+}
+
+/// Everything this process created.
+pub struct Inner {
+    next_id: u64,
+    pub ctxs: Map<Ctx>,
+    pub primary: [Primary; MAX_GPUS],
+    pub modules: Map<Module>,
+    pub libraries: Map<crate::module::Library>,
+    pub funcs: Map<Func>,
+    pub streams: Map<Stream>,
+    pub events: Map<Event>,
+    /// Device allocations by base address.
+    pub allocs: BTreeMap<u64, Alloc>,
+    pub host: BTreeMap<u64, HostMem>,
+    /// Per-device address space for allocations.
+    pub regions: Vec<Option<Region>>,
+    /// Low (< 2 GiB) space for the 32-bit entry points.
+    pub low: Option<Region>,
+    pub arrays: Map<crate::array::Array>,
+    pub mipmaps: Map<crate::array::Mipmap>,
+    pub vmm: crate::vmm::Vmm,
+    pub pools: crate::pool::Pools,
+    pub graphs: crate::graph::Graphs,
+}
+
+impl Inner {
+    fn new(num_gpus: usize) -> Inner {
+        Inner {
+            next_id: 0,
+            ctxs: Map::default(),
+            primary: [Primary::default(); MAX_GPUS],
+            modules: Map::default(),
+            libraries: Map::default(),
+            funcs: Map::default(),
+            streams: Map::default(),
+            events: Map::default(),
+            allocs: BTreeMap::new(),
+            host: BTreeMap::new(),
+            regions: (0..num_gpus).map(|_| None).collect(),
+            low: None,
+            arrays: Map::default(),
+            mipmaps: Map::default(),
+            vmm: Default::default(),
+            pools: Default::default(),
+            graphs: Default::default(),
+        }
+    }
+
+    /// A fresh handle id. Ids are spread over a range no real pointer uses, are never 0, 1
+    /// or 2 (NULL and the special stream handles), and are never reused.
+    pub fn new_id(&mut self) -> u64 {
+        self.next_id += 1;
+        0x5100_0000_0000 + (self.next_id << 4)
+    }
+}
+
+pub struct Driver {
+    pub st: State,
+    pub proc: ProcHandle,
+    pub inner: Mutex<Inner>,
+    /// (dev, queue, seq) of recorded events whose completion time must outlive the
+    /// queue's ring → done_at (0 until harvested).
+    pub watch: Mutex<HashMap<(usize, usize, u64), u64>>,
+    pub watching: AtomicUsize,
+}
+
+static DRIVER: OnceLock<Driver> = OnceLock::new();
+static FORKED: AtomicBool = AtomicBool::new(false);
+static INIT: Mutex<()> = Mutex::new(());
+static REPORTED: AtomicBool = AtomicBool::new(false);
+
+/// The initialised driver, or `CUDA_ERROR_NOT_INITIALIZED` before `cuInit` and in a child
+/// forked after it (the CUDA driver does not survive fork).
+pub fn driver() -> Result<&'static Driver, CUresult> {
+    if FORKED.load(Relaxed) {
+        return Err(CUDA_ERROR_NOT_INITIALIZED);
+    }
+    DRIVER.get().ok_or(CUDA_ERROR_NOT_INITIALIZED)
+}
+
+extern "C" fn at_exit() {
+    if let Some(d) = DRIVER.get() {
+        if !FORKED.load(Relaxed) {
+            d.st.unregister_process(d.proc);
+        }
+    }
+}
+
+extern "C" fn in_fork_child() {
+    FORKED.store(true, Relaxed);
+}
+
+/// `cuInit`: open the simulator and claim this process's slot. A broken config or state
+/// file prints one line (naming the file and the problem) once, and returns
+/// `CUDA_ERROR_SYSTEM_NOT_READY`; a later `cuInit` tries again.
+pub fn init(flags: u32) -> R {
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if FORKED.load(Relaxed) {
+        return Err(CUDA_ERROR_NOT_INITIALIZED);
+    }
+    if DRIVER.get().is_some() {
+        return Ok(());
+    }
+    let _g = INIT.lock();
+    if DRIVER.get().is_some() {
+        return Ok(());
+    }
+    let opened = State::open_from_env().and_then(|st| st.register_process().map(|p| (st, p)));
+    match opened {
+        Ok((st, proc)) => {
+            let n = st.num_gpus();
+            let _ = DRIVER.set(Driver {
+                st,
+                proc,
+                inner: Mutex::new(Inner::new(n)),
+                watch: Mutex::new(HashMap::new()),
+                watching: AtomicUsize::new(0),
+            });
+            // SAFETY: registering plain extern "C" functions with no captured state.
+            unsafe {
+                libc::atexit(at_exit);
+                libc::pthread_atfork(None, None, Some(in_fork_child));
+            }
+            Ok(())
+        }
+        Err(e) => {
+            if !REPORTED.swap(true, Relaxed) {
+                eprintln!("{e}");
+            }
+            Err(CUDA_ERROR_SYSTEM_NOT_READY)
+        }
+    }
+}
+
+thread_local! {
+    /// This thread's context stack; the top is the current context.
+    static CTX_STACK: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+pub fn current_ctx_id() -> Option<u64> {
+    CTX_STACK.with(|s| s.borrow().last().copied())
+}
+
+pub fn set_current(ctx: Option<u64>) {
+    CTX_STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        match ctx {
+            Some(c) => match s.last_mut() {
+                Some(top) => *top = c,
+                None => s.push(c),
+            },
+            None => {
+                s.pop();
+            }
+        }
+    });
+}
+
+pub fn push_current(ctx: u64) {
+    CTX_STACK.with(|s| s.borrow_mut().push(ctx));
+}
+
+pub fn pop_current() -> Option<u64> {
+    CTX_STACK.with(|s| s.borrow_mut().pop())
+}
+
+impl Driver {
+    /// The current context's id, or `CUDA_ERROR_INVALID_CONTEXT`.
+    pub fn current(&self, inner: &Inner) -> Result<u64, CUresult> {
+        let id = current_ctx_id().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        if inner.ctxs.contains_key(&id) {
+            Ok(id)
+        } else {
+            Err(CUDA_ERROR_INVALID_CONTEXT)
+        }
+    }
+
+    /// The context a stream handle belongs to: its own for a created stream, the current
+    /// one for NULL / legacy / per-thread.
+    pub fn stream_ctx(&self, inner: &Inner, stream: Handle) -> Result<u64, CUresult> {
+        let id = stream.id();
+        if id == 0 || id == crate::ffi::STREAM_LEGACY || id == crate::ffi::STREAM_PER_THREAD {
+            return self.current(inner);
+        }
+        let s = inner.streams.get(&id).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if !inner.ctxs.contains_key(&s.ctx) {
+            return Err(CUDA_ERROR_CONTEXT_IS_DESTROYED);
+        }
+        Ok(s.ctx)
+    }
+
+    /// The device ordinal `dev`, checked.
+    pub fn device(&self, dev: i32) -> Result<usize, CUresult> {
+        if dev < 0 || dev as usize >= self.st.num_gpus() {
+            return Err(CUDA_ERROR_INVALID_DEVICE);
+        }
+        Ok(dev as usize)
+    }
+
+    /// Charge device memory to this process; `CUDA_ERROR_OUT_OF_MEMORY` when the GPU is full.
+    pub fn charge(&self, dev: usize, bytes: u64) -> R {
+        if bytes == 0 || self.st.charge(dev, &self.proc, bytes) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_OUT_OF_MEMORY)
+        }
+    }
+
+    pub fn uncharge(&self, dev: usize, bytes: u64) {
+        if bytes > 0 {
+            self.st.uncharge(dev, &self.proc, bytes);
+        }
+    }
+
+    /// Map the simulator's failure onto a driver code (a lost state file is a lost device).
+    pub fn sim<T>(&self, r: Result<T, gpusim_core::SimError>) -> Result<T, CUresult> {
+        r.map_err(|e| {
+            eprintln!("{e}");
+            CUDA_ERROR_UNKNOWN
+        })
+    }
+
+    /// Queue `duration` ns of device work on context `ctx`, blocking while its launch
+    /// queue is full; records the entry on the stream and context. Does not hold `inner`
+    /// while it waits.
+    pub fn enqueue(&self, ctx: u64, stream: Handle, duration: u64, kernels: u32) -> R {
+        let (dev, queue) = {
+            let inner = self.inner.lock();
+            let c = inner.ctxs.get(&ctx).ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+            (c.dev, c.queue)
+        };
+        let seq = if self.watching.load(Relaxed) == 0 {
+            self.st.launch(dev, queue, duration, kernels)
+        } else {
+            self.st
+                .launch_harvest(dev, queue, duration, kernels, &mut |old, done| {
+                    let mut w = self.watch.lock();
+                    if let Some(v) = w.get_mut(&(dev, queue, old)) {
+                        *v = done;
+                    }
+                })
+        };
+        let seq = self.sim(seq)?;
+        let mut inner = self.inner.lock();
+        if let Some(c) = inner.ctxs.get_mut(&ctx) {
+            c.last_seq = Some(c.last_seq.map_or(seq, |s| s.max(seq)));
+        }
+        let sid = stream.id();
+        if let Some(s) = inner.streams.get_mut(&sid) {
+            s.last_seq = Some(s.last_seq.map_or(seq, |x| x.max(seq)));
+        }
+        Ok(())
+    }
+
+    /// Block until entry `seq` of `(dev, queue)` has run.
+    pub fn wait(&self, dev: usize, queue: usize, seq: Option<u64>) -> R {
+        match seq {
+            Some(s) => self.sim(self.st.wait(dev, queue, s)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Round up to a multiple of `a` (a power of two).
+pub fn round_up(x: u64, a: u64) -> u64 {
+    (x + a - 1) & !(a - 1)
+}
