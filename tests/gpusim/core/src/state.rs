@@ -331,11 +331,11 @@ impl State {
             }));
         }
         // Start from zeros even if a creator died half-way before us.
-        // SAFETY: fd is open for writing.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), 0) } != 0
-            || unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0
-        {
-            return Err(io_err(path, "size it", std::io::Error::last_os_error()));
+        for size in [0, len] {
+            // SAFETY: fd is open for writing; ftruncate has no memory-safety preconditions.
+            if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
+                return Err(io_err(path, "size it", std::io::Error::last_os_error()));
+            }
         }
         let map = Mapping::new(fd, len).map_err(|e| io_err(path, "map it", e))?;
         let now = now_ns();

@@ -54,7 +54,7 @@ pub fn array_bytes(desc: &CudaArray3DDescriptor) -> Result<(u64, u64), CUresult>
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     const CUBEMAP: u32 = 0x04;
-    if desc.flags & CUBEMAP != 0 && desc.depth % 6 != 0 {
+    if desc.flags & CUBEMAP != 0 && !desc.depth.is_multiple_of(6) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let row = desc.width as u64 * elem * u64::from(desc.num_channels);
@@ -139,7 +139,7 @@ fn desc2(w: usize, h: usize, format: u32, ch: u32) -> CudaArray3DDescriptor {
     }
 }
 
-fn array_of<'a>(inner: &'a Inner, a: CUarray) -> Result<&'a Array, CUresult> {
+fn array_of(inner: &Inner, a: CUarray) -> Result<&Array, CUresult> {
     inner.arrays.get(&a.id()).ok_or(CUDA_ERROR_INVALID_HANDLE)
 }
 

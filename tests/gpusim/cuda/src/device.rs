@@ -174,10 +174,10 @@ exports! {
         d.device(ordinal)?;
         device.write(ordinal)
     }
-    fn cuDeviceGetName(name: *mut c_char, len: i32, dev: CUdevice) {
+    fn cuDeviceGetName(name: OutStr, len: i32, dev: CUdevice) {
         let d = driver()?;
         let dev = d.device(dev)?;
-        write_cstr(name, len, &d.st.config.gpu[dev].name)
+        name.write(len, &d.st.config.gpu[dev].name)
     }
     fn cuDeviceGetUuid(out: Out<CUuuid>, dev: CUdevice) {
         uuid(out, dev)
@@ -232,11 +232,11 @@ exports! {
             texture_align: 512,
         })
     }
-    fn cuDeviceGetPCIBusId(bus_id: *mut c_char, len: i32, dev: CUdevice) {
+    fn cuDeviceGetPCIBusId(bus_id: OutStr, len: i32, dev: CUdevice) {
         let d = driver()?;
         let dev = d.device(dev)?;
         let (dom, bus, device, func) = d.st.config.gpu[dev].pci_parts();
-        write_cstr(bus_id, len, &format!("{dom:08X}:{bus:02X}:{device:02X}.{func:X}"))
+        bus_id.write(len, &format!("{dom:08X}:{bus:02X}:{device:02X}.{func:X}"))
     }
     fn cuDeviceGetByPCIBusId(dev: Out<CUdevice>, bus_id: CStrIn) {
         let d = driver()?;

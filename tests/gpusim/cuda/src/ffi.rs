@@ -54,7 +54,9 @@ impl<T> Out<T> {
         self.0.is_null()
     }
 
-    /// The caller's object, to read and update in place (in/out parameters).
+    /// The caller's object, to read and update in place (in/out parameters). The object is
+    /// the C caller's, lent for the call, not borrowed from `self`.
+    #[allow(clippy::mut_from_ref)]
     pub fn get_mut(&self) -> Result<&mut T, CUresult> {
         if self.0.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -112,18 +114,25 @@ impl CStrIn {
     }
 }
 
-/// A caller-provided character buffer of `len` bytes (cuDeviceGetName and friends).
-pub fn write_cstr(buf: *mut c_char, len: i32, s: &str) -> R {
-    if buf.is_null() || len <= 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+/// A caller-provided character buffer (`char *name, int len` in cuDeviceGetName and
+/// friends).
+#[repr(transparent)]
+pub struct OutStr(*mut c_char);
+
+impl OutStr {
+    /// Copy `s` into the `len`-byte buffer, truncated and NUL-terminated.
+    pub fn write(&self, len: i32, s: &str) -> R {
+        if self.0.is_null() || len <= 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let n = s.len().min(len as usize - 1);
+        // SAFETY: the caller gave `len` writable bytes; we write n + 1 ≤ len of them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(s.as_ptr(), self.0.cast::<u8>(), n);
+            *self.0.add(n) = 0;
+        }
+        Ok(())
     }
-    let n = s.len().min(len as usize - 1);
-    // SAFETY: the caller gave `len` writable bytes at buf; we write n + 1 ≤ len of them.
-    unsafe {
-        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), n);
-        *buf.add(n) = 0;
-    }
-    Ok(())
 }
 
 /// An opaque handle (`CUcontext`, `CUstream`, …): our id, as a pointer.

@@ -24,6 +24,8 @@ macro_rules! exports {
     ($( $(#[$m:meta])* fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) $body:block )*) => {
         $(
             $(#[$m])*
+            /// # Safety
+            /// Called from C with arguments as `cuda.h` documents them.
             #[no_mangle]
             pub unsafe extern "C" fn $name($($arg: $ty),*) -> $crate::errors::CUresult {
                 $crate::ffi::guard(move || -> $crate::ffi::R { $body })

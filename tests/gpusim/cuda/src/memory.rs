@@ -285,7 +285,7 @@ fn memset(dst: u64, value: u32, elem: u64, count: u64, pitch: u64, rows: u64, sy
         return Ok(());
     }
     check_dev(&inner, dst, span)?;
-    if dst % elem != 0 {
+    if !dst.is_multiple_of(elem) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     for r in 0..rows.max(1) {
@@ -471,13 +471,7 @@ fn pointer_attr(d: &Driver, inner: &Inner, attr: u32, p: u64) -> Result<Attr, CU
             1 => Attr::U64(a.ctx),
             2 => Attr::U32(CU_MEMORYTYPE_DEVICE),
             3 => Attr::U64(p),
-            4 => {
-                if managed {
-                    Attr::U64(p)
-                } else {
-                    return Err(CUDA_ERROR_INVALID_VALUE);
-                }
-            }
+            4 if managed => Attr::U64(p),
             6 => Attr::U32(0),
             7 => Attr::U64(base),
             8 => Attr::U32(u32::from(managed)),

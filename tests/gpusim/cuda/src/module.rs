@@ -125,9 +125,11 @@ pub fn parse_elf(b: &[u8]) -> Option<Image> {
 
 /// Size of an image the caller passed without a length.
 fn image_len(p: *const u8) -> usize {
-    // SAFETY (for each read below): the caller passed a pointer to a complete image; we
-    // only read headers whose presence the magic number guarantees, then its stated size.
-    let head = |n: usize| unsafe { std::slice::from_raw_parts(p, n) };
+    let head = |n: usize| {
+        // SAFETY: the caller passed a pointer to a complete image; we only read headers
+        // whose presence the magic number guarantees (4, then 16 or 64 bytes).
+        unsafe { std::slice::from_raw_parts(p, n) }
+    };
     if head(4) == b"\x7fELF" {
         let h = head(64);
         let shoff = u64::from_le_bytes(h[0x28..0x30].try_into().unwrap_or([0; 8])) as usize;
@@ -424,7 +426,7 @@ fn potential_block(
     block.write(b)
 }
 
-fn func_mut<'a>(inner: &'a mut Inner, f: CUfunction) -> Result<&'a mut Func, CUresult> {
+fn func_mut(inner: &mut Inner, f: CUfunction) -> Result<&mut Func, CUresult> {
     inner
         .funcs
         .get_mut(&f.id())
@@ -546,7 +548,7 @@ exports! {
         let d = driver()?;
         let mut inner = d.inner.lock();
         let ctx = d.current(&inner)?;
-        if !inner.funcs.get(&kernel.id()).is_some_and(|f| f.library != 0) {
+        if inner.funcs.get(&kernel.id()).is_none_or(|f| f.library == 0) {
             return Err(CUDA_ERROR_INVALID_HANDLE);
         }
         let f = resolve_for_launch(d, &mut inner, kernel.id(), ctx)?;

@@ -181,7 +181,7 @@ fn free_async(p: CUdeviceptr, stream: CUstream) -> R {
     Ok(())
 }
 
-fn pool_mut<'a>(inner: &'a mut Inner, pool: CUmemoryPool) -> Result<&'a mut Pool, CUresult> {
+fn pool_mut(inner: &mut Inner, pool: CUmemoryPool) -> Result<&mut Pool, CUresult> {
     inner
         .pools
         .pools

@@ -9,6 +9,7 @@
 //!   CUDA 12.0 gave cuGraphInstantiate the cuGraphInstantiateWithFlags signature (cudaTypedefs.h:
 //!   PFN_cuGraphInstantiate -> PFN_cuGraphInstantiateWithFlags_v11040; cuda.h: #define
 //!   cuGraphInstantiate cuGraphInstantiateWithFlags)
+//!
 //! The table is sorted by (base, per_thread, version), bases in byte order.
 
 /// `CUDA_VERSION` of the headers this table was generated from.

@@ -80,7 +80,7 @@ fn destroy(stream: CUstream) -> R {
     Ok(())
 }
 
-fn stream_of<'a>(inner: &'a Inner, stream: CUstream) -> Result<&'a Stream, CUresult> {
+fn stream_of(inner: &Inner, stream: CUstream) -> Result<&Stream, CUresult> {
     inner
         .streams
         .get(&stream.id())

@@ -110,7 +110,7 @@ exports! {
     fn cuMemCreate(handle: Out<CUmemGenericAllocationHandle>, size: usize, prop: In<CUmemAllocationProp>, flags: u64) {
         let d = driver()?;
         let p = *prop.get()?;
-        if handle.is_null() || flags != 0 || size == 0 || size as u64 % GRANULARITY != 0 {
+        if handle.is_null() || flags != 0 || size == 0 || !(size as u64).is_multiple_of(GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let dev = check_prop(d, &p)?;
@@ -153,7 +153,7 @@ exports! {
     fn cuMemAddressReserve(ptr: Out<CUdeviceptr>, size: usize, alignment: usize, addr: CUdeviceptr, flags: u64) {
         let d = driver()?;
         let (size, align) = (size as u64, if alignment == 0 { GRANULARITY } else { alignment as u64 });
-        if ptr.is_null() || flags != 0 || size == 0 || size % GRANULARITY != 0 || !align.is_power_of_two() {
+        if ptr.is_null() || flags != 0 || size == 0 || !size.is_multiple_of(GRANULARITY) || !align.is_power_of_two() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut inner = d.inner.lock();
@@ -162,7 +162,7 @@ exports! {
         }
         let r = inner.vmm.region.as_mut().ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         // The requested address is a hint, as in the driver.
-        let got = if addr != 0 && addr % align == 0 && r.contains(addr, size) && r.extents.alloc_at(addr, size) {
+        let got = if addr != 0 && addr.is_multiple_of(align) && r.contains(addr, size) && r.extents.alloc_at(addr, size) {
             Some(addr)
         } else {
             r.extents.alloc(size, align.max(GRANULARITY))
@@ -189,7 +189,7 @@ exports! {
     fn cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64) {
         let d = driver()?;
         let size = size as u64;
-        if flags != 0 || size == 0 || size % GRANULARITY != 0 || ptr % GRANULARITY != 0 {
+        if flags != 0 || size == 0 || !size.is_multiple_of(GRANULARITY) || !ptr.is_multiple_of(GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut inner = d.inner.lock();

@@ -4,12 +4,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+/* Programs that must not link libcuda (they dlopen it) define GPUSIM_DLOPEN. */
+#ifdef GPUSIM_DLOPEN
+#define ERRNAME(rc, out) ((void)(rc), *(out) = "?")
+#else
+#define ERRNAME(rc, out) cuGetErrorName(rc, out)
+#endif
+
 #define CHECK(call)                                                                  \
     do {                                                                             \
         CUresult rc_ = (call);                                                       \
         if (rc_ != CUDA_SUCCESS) {                                                   \
             const char *n_ = "?";                                                    \
-            cuGetErrorName(rc_, &n_);                                                \
+            ERRNAME(rc_, &n_);                                                       \
             fprintf(stderr, "%s:%d: %s failed: %s (%d)\n", __FILE__, __LINE__, #call, \
                     n_, (int)rc_);                                                   \
             exit(1);                                                                 \
@@ -34,6 +41,7 @@ static const char PTX[] =
     ".visible .entry spin_1ms(.param .u64 p) { ret; }\n"
     ".visible .entry spin_50us(.param .u64 p) { ret; }\n"
     ".visible .entry spin_20ms(.param .u64 p) { ret; }\n"
+    ".visible .entry spin_2ms(.param .u64 p) { ret; }\n"
     ".visible .entry spin_5ms(.param .u64 p) { ret; }\n"
     ".visible .entry vector_add(.param .u64 a, .param .u64 b) { ret; }\n";
 
