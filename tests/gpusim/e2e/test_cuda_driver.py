@@ -140,3 +140,23 @@ def test_corrupt_state_file_is_reported(sim, programs):
     assert "CUDA_ERROR_SYSTEM_NOT_READY" in p.stderr
     p = sim.gpusim("status", check=False)
     assert p.returncode != 0 and "is corrupt" in p.stderr
+
+
+def test_many_processes_create_the_state_at_once(sim, programs):
+    """Pins GPUSIM_STATE: processes racing to create one state file all see the same GPUs."""
+    assert not sim.state.exists()
+    procs = [
+        sim.popen([programs["workload"], "--dev", str(i % 2), "--hold-mib", "10", "--count", "0", "--wait"])
+        for i in range(24)
+    ]
+    for p in procs:
+        assert p.stdout.readline().startswith("ready"), p.stderr.read()
+    st = sim.status()
+    pids = {x["pid"] for g in st["gpus"] for x in g["processes"]}
+    assert pids == {p.pid for p in procs}
+    for g in st["gpus"]:
+        assert g["memory_used"] == 12 * ((10 + 300 + 1) << 20)
+    for p in procs:
+        p.kill()
+        p.wait()
+    assert sum(g["memory_used"] for g in sim.status()["gpus"]) == 0
