@@ -86,6 +86,15 @@ def test_c_program_against_official_header(sim, programs):
     # the stream-ordered pool grows by 8 MiB and gives it back at the sync
     assert int(r["pool_reserved"]) == 8 << 20 and int(r["pool_used"]) == 8 << 20
     assert r["pool_reserved_after_sync"] == "0"
+    # a built graph: two 1 ms kernel nodes; its 3 MiB allocation node reserves 4 MiB of the
+    # graph pool at launch, which stays reserved after the free until trimmed
+    assert abs(float(r["built_graph_ms"]) - 2.0) < 0.05
+    assert int(r["graph_mem_reserved"]) == 4 << 20 and int(r["graph_mem_used"]) == 3 << 20
+    assert r["graph_mem_used_after_free"] == "0" and r["graph_mem_reserved_after_trim"] == "0"
+    assert abs(float(r["event_after_1500_launches_ms"]) - 1.0) < 0.05
+    # 256² + 128² + … + 1² floats = 349524 B, each level rounded to 512 B, total to 64 KiB
+    assert int(r["mipmap_bytes"]) == 393216
+    assert r["oom_string"] == "out of memory"
     # everything was freed and the process is gone
     assert all(g["memory_used"] == 0 and g["processes"] == [] for g in status["gpus"])
 

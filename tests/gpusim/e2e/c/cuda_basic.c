@@ -195,6 +195,79 @@ int main(void) {
 
     CHECK(cuGraphExecDestroy(exec));
     CHECK(cuGraphDestroy(graph));
+
+    /* a built graph: two 1 ms kernel nodes and a 3 MiB memory-allocation node */
+    CHECK(cuGraphCreate(&graph, 0));
+    CUDA_KERNEL_NODE_PARAMS kp = {0};
+    kp.func = f1; kp.gridDimX = kp.gridDimY = kp.gridDimZ = 1; kp.blockDimX = 32; kp.blockDimY = kp.blockDimZ = 1;
+    CUgraphNode k1, k2, an;
+    CHECK(cuGraphAddKernelNode(&k1, graph, NULL, 0, &kp));
+    CHECK(cuGraphAddKernelNode(&k2, graph, &k1, 1, &kp));
+    CUDA_MEM_ALLOC_NODE_PARAMS mp = {0};
+    mp.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    mp.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    mp.poolProps.location.id = 0;
+    mp.bytesize = 3 << 20;
+    CHECK(cuGraphAddMemAllocNode(&an, graph, &k2, 1, &mp));
+    CHECK(cuGraphInstantiate(&exec, graph, 0));
+    CHECK(cuEventRecord(e0, s));
+    CHECK(cuGraphLaunch(exec, s));
+    CHECK(cuEventRecord(e1, s));
+    CHECK(cuEventSynchronize(e1));
+    CHECK(cuEventElapsedTime(&ms, e0, e1));
+    printf("built_graph_ms=%.3f\n", ms);
+    cuuint64_t gres = 0, gused = 0;
+    CHECK(cuDeviceGetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &gres));
+    CHECK(cuDeviceGetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &gused));
+    printf("graph_mem_reserved=%llu\ngraph_mem_used=%llu\n", (unsigned long long)gres, (unsigned long long)gused);
+    CHECK(cuMemcpyHtoD(mp.dptr, host, sizeof host)); /* the node's memory is usable */
+    CHECK(cuMemFree(mp.dptr));
+    CHECK(cuDeviceGetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &gused));
+    CHECK(cuDeviceGraphMemTrim(0));
+    CHECK(cuDeviceGetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &gres));
+    printf("graph_mem_used_after_free=%llu\ngraph_mem_reserved_after_trim=%llu\n", (unsigned long long)gused,
+           (unsigned long long)gres);
+    CHECK(cuGraphExecDestroy(exec));
+    CHECK(cuGraphDestroy(graph));
+
+    /* an event's device timestamp survives more launches than the queue remembers */
+    CUfunction tick;
+    CHECK(cuModuleGetFunction(&tick, mod, "spin_50us"));
+    CHECK(cuEventRecord(e0, s));
+    CHECK(cuLaunchKernel(f1, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL));
+    CHECK(cuEventRecord(e1, s));
+    for (int i = 0; i < 1500; i++) CHECK(cuLaunchKernel(tick, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL));
+    CHECK(cuStreamSynchronize(s));
+    CHECK(cuEventElapsedTime(&ms, e0, e1));
+    printf("event_after_1500_launches_ms=%.3f\n", ms);
+
+    /* mipmapped array: levels 256², 128², … 1² of float, summed and rounded up to 64 KiB */
+    CUDA_ARRAY3D_DESCRIPTOR md = {0};
+    md.Width = 256; md.Height = 256; md.Format = CU_AD_FORMAT_FLOAT; md.NumChannels = 1;
+    CUmipmappedArray mm;
+    CHECK(cuMipmappedArrayCreate(&mm, &md, 9));
+    CHECK(cuMipmappedArrayGetMemoryRequirements(&req, mm, 0));
+    printf("mipmap_bytes=%zu\n", req.size);
+    CUarray level;
+    CHECK(cuMipmappedArrayGetLevel(&level, mm, 8));
+    CHECK(cuMipmappedArrayDestroy(mm));
+
+    /* invalid arguments get the driver's errors */
+    EXPECT(cuMemGetInfo(NULL, NULL), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuCtxSetCurrent((CUcontext)0x1234), CUDA_ERROR_INVALID_CONTEXT);
+    EXPECT(cuStreamSynchronize((CUstream)0x1234), CUDA_ERROR_INVALID_HANDLE);
+    EXPECT(cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL), CUDA_ERROR_INVALID_HANDLE);
+    CUevent never;
+    CHECK(cuEventCreate(&never, 0));
+    EXPECT(cuEventElapsedTime(&ms, never, e1), CUDA_ERROR_INVALID_HANDLE);
+    CHECK(cuEventDestroy(never));
+    EXPECT(cuModuleGetFunction(&nope, mod, NULL), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMemcpyHtoD(0, host, 16), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMemCreate(&h, gran + 1, &prop, 0), CUDA_ERROR_INVALID_VALUE);
+    const char *es = NULL;
+    CHECK(cuGetErrorString(CUDA_ERROR_OUT_OF_MEMORY, &es));
+    printf("oom_string=%s\n", es);
+    EXPECT(cuGetErrorString((CUresult)12345, &es), CUDA_ERROR_INVALID_VALUE);
     CHECK(cuEventDestroy(e0));
     CHECK(cuEventDestroy(e1));
     CHECK(cuStreamDestroy(s));
