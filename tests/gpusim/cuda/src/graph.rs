@@ -329,6 +329,41 @@ fn add_generic(out: Out<CUgraphNode>, graph: CUgraph, params: Out<CUgraphNodePar
     }
 }
 
+fn instantiate_with_log(out: Out<CUgraphExec>, graph: CUgraph, error_node: Out<CUgraphNode>) -> R {
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    error_node.write_opt(Handle::NULL);
+    out.write(Handle::from_id(instantiate(graph)?))
+}
+
+fn instantiate_with_params(
+    out: Out<CUgraphExec>,
+    graph: CUgraph,
+    params: Out<CudaGraphInstantiateParams>,
+) -> R {
+    let p = params.get_mut()?;
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let id = instantiate(graph)?;
+    p.result_out = 0;
+    p.error_node_out = Handle::NULL;
+    out.write(Handle::from_id(id))
+}
+
+fn upload(exec: CUgraphExec, stream: CUstream) -> R {
+    let d = driver()?;
+    let inner = d.inner.lock();
+    d.stream_ctx(&inner, stream)?;
+    inner
+        .graphs
+        .execs
+        .get(&exec.id())
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    Ok(())
+}
+
 fn graph_mem_attr(dev: CUdevice, attr: u32, value: *mut c_void, set: bool) -> R {
     let d = driver()?;
     let dev = d.device(dev)?;
@@ -450,39 +485,17 @@ exports! {
     }
     fn cuGraphInstantiate(out: Out<CUgraphExec>, graph: CUgraph, error_node: Out<CUgraphNode>, log: *mut c_char, log_size: usize) {
         let _ = (log, log_size);
-        if out.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        error_node.write_opt(Handle::NULL);
-        out.write(Handle::from_id(instantiate(graph)?))
+        instantiate_with_log(out, graph, error_node)
     }
     fn cuGraphInstantiate_v2(out: Out<CUgraphExec>, graph: CUgraph, error_node: Out<CUgraphNode>, log: *mut c_char, log_size: usize) {
         let _ = (log, log_size);
-        if out.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        error_node.write_opt(Handle::NULL);
-        out.write(Handle::from_id(instantiate(graph)?))
+        instantiate_with_log(out, graph, error_node)
     }
     fn cuGraphInstantiateWithParams(out: Out<CUgraphExec>, graph: CUgraph, params: Out<CudaGraphInstantiateParams>) {
-        let p = params.get_mut()?;
-        if out.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let id = instantiate(graph)?;
-        p.result_out = 0;
-        p.error_node_out = Handle::NULL;
-        out.write(Handle::from_id(id))
+        instantiate_with_params(out, graph, params)
     }
     fn cuGraphInstantiateWithParams_ptsz(out: Out<CUgraphExec>, graph: CUgraph, params: Out<CudaGraphInstantiateParams>) {
-        let p = params.get_mut()?;
-        if out.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let id = instantiate(graph)?;
-        p.result_out = 0;
-        p.error_node_out = Handle::NULL;
-        out.write(Handle::from_id(id))
+        instantiate_with_params(out, graph, params)
     }
     fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) {
         launch(exec, stream)
@@ -491,18 +504,10 @@ exports! {
         launch(exec, stream)
     }
     fn cuGraphUpload(exec: CUgraphExec, stream: CUstream) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        inner.graphs.execs.get(&exec.id()).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        Ok(())
+        upload(exec, stream)
     }
     fn cuGraphUpload_ptsz(exec: CUgraphExec, stream: CUstream) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        inner.graphs.execs.get(&exec.id()).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        Ok(())
+        upload(exec, stream)
     }
     fn cuGraphExecDestroy(exec: CUgraphExec) {
         let d = driver()?;

@@ -306,47 +306,49 @@ fn memset(dst: u64, value: u32, elem: u64, count: u64, pitch: u64, rows: u64, sy
     Ok(())
 }
 
-fn dtoh(dst: u64, src: u64, n: u64, sync: bool) -> R {
+/// Which sides of a copy must be device memory of ours.
+#[derive(Clone, Copy)]
+enum Sides {
+    /// Host to device.
+    ToDev,
+    /// Device to host.
+    FromDev,
+    /// Device to device.
+    Both,
+    /// Unified addressing: either may be either.
+    Any,
+}
+
+fn copy_checked(dst: u64, src: u64, n: u64, sides: Sides, sync: bool) -> R {
     let d = driver()?;
     if sync {
         sync_current(d)?;
     }
     let inner = d.inner.lock();
     d.current(&inner)?;
-    check_dev(&inner, src, n)?;
+    if matches!(sides, Sides::ToDev | Sides::Both) {
+        check_dev(&inner, dst, n)?;
+    }
+    if matches!(sides, Sides::FromDev | Sides::Both) {
+        check_dev(&inner, src, n)?;
+    }
     copy(dst, src, n)
+}
+
+fn dtoh(dst: u64, src: u64, n: u64, sync: bool) -> R {
+    copy_checked(dst, src, n, Sides::FromDev, sync)
 }
 
 fn htod(dst: u64, src: u64, n: u64, sync: bool) -> R {
-    let d = driver()?;
-    if sync {
-        sync_current(d)?;
-    }
-    let inner = d.inner.lock();
-    d.current(&inner)?;
-    check_dev(&inner, dst, n)?;
-    copy(dst, src, n)
+    copy_checked(dst, src, n, Sides::ToDev, sync)
 }
 
 fn dtod(dst: u64, src: u64, n: u64, sync: bool) -> R {
-    let d = driver()?;
-    if sync {
-        sync_current(d)?;
-    }
-    let inner = d.inner.lock();
-    d.current(&inner)?;
-    check_dev(&inner, dst, n)?;
-    check_dev(&inner, src, n)?;
-    copy(dst, src, n)
+    copy_checked(dst, src, n, Sides::Both, sync)
 }
 
 fn unified(dst: u64, src: u64, n: u64, sync: bool) -> R {
-    let d = driver()?;
-    if sync {
-        sync_current(d)?;
-    }
-    d.current(&d.inner.lock())?;
-    copy(dst, src, n)
+    copy_checked(dst, src, n, Sides::Any, sync)
 }
 
 /// Resolve one side of a 2D/3D copy to an address.

@@ -263,6 +263,29 @@ fn capture_info(
     Ok(())
 }
 
+fn wait_event(stream: CUstream, event: CUevent) -> R {
+    let d = driver()?;
+    let inner = d.inner.lock();
+    d.stream_ctx(&inner, stream)?;
+    inner
+        .events
+        .get(&event.id())
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    Ok(())
+}
+
+/// A property of a stream (default streams have the defaults).
+fn stream_prop<T>(
+    stream: CUstream,
+    out: Out<T>,
+    get: impl FnOnce(&Inner, u64, Option<&Stream>) -> T,
+) -> R {
+    let d = driver()?;
+    let inner = d.inner.lock();
+    let ctx = d.stream_ctx(&inner, stream)?;
+    out.write(get(&inner, ctx, inner.streams.get(&stream.id())))
+}
+
 type HostFn = Option<unsafe extern "C" fn(*mut c_void)>;
 type StreamCallback = Option<unsafe extern "C" fn(CUstream, CUresult, *mut c_void)>;
 
@@ -299,71 +322,38 @@ exports! {
     }
     fn cuStreamWaitEvent(stream: CUstream, event: CUevent, flags: c_uint) {
         let _ = flags;
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        inner.events.get(&event.id()).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        Ok(())
+        wait_event(stream, event)
     }
     fn cuStreamWaitEvent_ptsz(stream: CUstream, event: CUevent, flags: c_uint) {
         let _ = flags;
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        inner.events.get(&event.id()).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        Ok(())
+        wait_event(stream, event)
     }
     fn cuStreamGetPriority(stream: CUstream, priority: Out<i32>) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        priority.write(inner.streams.get(&stream.id()).map_or(0, |s| s.priority))
+        stream_prop(stream, priority, |_, _, s| s.map_or(0, |s| s.priority))
     }
     fn cuStreamGetPriority_ptsz(stream: CUstream, priority: Out<i32>) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        priority.write(inner.streams.get(&stream.id()).map_or(0, |s| s.priority))
+        stream_prop(stream, priority, |_, _, s| s.map_or(0, |s| s.priority))
     }
     fn cuStreamGetFlags(stream: CUstream, flags: Out<c_uint>) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        flags.write(inner.streams.get(&stream.id()).map_or(0, |s| s.flags))
+        stream_prop(stream, flags, |_, _, s| s.map_or(0, |s| s.flags))
     }
     fn cuStreamGetFlags_ptsz(stream: CUstream, flags: Out<c_uint>) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        flags.write(inner.streams.get(&stream.id()).map_or(0, |s| s.flags))
+        stream_prop(stream, flags, |_, _, s| s.map_or(0, |s| s.flags))
     }
     fn cuStreamGetCtx(stream: CUstream, ctx: Out<CUcontext>) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        ctx.write(Handle::from_id(d.stream_ctx(&inner, stream)?))
+        stream_prop(stream, ctx, |_, c, _| Handle::from_id(c))
     }
     fn cuStreamGetCtx_ptsz(stream: CUstream, ctx: Out<CUcontext>) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        ctx.write(Handle::from_id(d.stream_ctx(&inner, stream)?))
+        stream_prop(stream, ctx, |_, c, _| Handle::from_id(c))
     }
     fn cuStreamGetId(stream: CUstream, id: Out<u64>) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        id.write(stream.id())
+        stream_prop(stream, id, |_, _, _| stream.id())
     }
     fn cuStreamGetId_ptsz(stream: CUstream, id: Out<u64>) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        d.stream_ctx(&inner, stream)?;
-        id.write(stream.id())
+        stream_prop(stream, id, |_, _, _| stream.id())
     }
     fn cuStreamGetDevice(stream: CUstream, dev: Out<CUdevice>) {
-        let d = driver()?;
-        let inner = d.inner.lock();
-        let ctx = d.stream_ctx(&inner, stream)?;
-        dev.write(inner.ctxs[&ctx].dev as CUdevice)
+        stream_prop(stream, dev, |i, c, _| i.ctxs[&c].dev as CUdevice)
     }
     fn cuStreamAttachMemAsync(stream: CUstream, p: CUdeviceptr, len: usize, flags: c_uint) {
         let _ = (p, len, flags);
