@@ -59,7 +59,38 @@ fn realtime_ns() -> i64 {
 }
 
 /// Sleep until monotonic time `t` (ns). Returns at once if `t` has passed.
+///
+/// Waiting for the simulated GPU should wake about as promptly as a real `cuStreamSynchronize`
+/// (a few µs: the driver spins by default), not after Linux's 50 µs default timer slack plus
+/// the wake-up latency. So the calling thread sleeps with 1 ns slack (restored after) until
+/// 50 µs before `t`, then yields the CPU in a loop until `t`.
 pub fn sleep_until(t: u64) {
+    const SPIN_NS: u64 = 50_000;
+    let now = now_ns();
+    if t <= now {
+        return;
+    }
+    if t - now > SPIN_NS {
+        sleep_until_slack(t - SPIN_NS);
+    }
+    while now_ns() < t {
+        std::thread::yield_now();
+    }
+}
+
+fn sleep_until_slack(t: u64) {
+    // SAFETY: PR_GET_TIMERSLACK / PR_SET_TIMERSLACK only read or set this thread's slack.
+    let slack = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) };
+    // SAFETY: as above.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1, 0, 0, 0) };
+    sleep_until_inner(t);
+    if slack > 0 {
+        // SAFETY: as above; restores the slack read before.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, slack as libc::c_ulong, 0, 0, 0) };
+    }
+}
+
+fn sleep_until_inner(t: u64) {
     let ts = libc::timespec {
         tv_sec: (t / 1_000_000_000) as libc::time_t,
         tv_nsec: (t % 1_000_000_000) as libc::c_long,
