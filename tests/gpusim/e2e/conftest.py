@@ -65,6 +65,8 @@ class Sim:
             }
         )
         self.env.pop("GPUSIM_CONFIG", None)
+        # gpusim's libcuda honours it; tests that want it set it themselves.
+        self.env.pop("CUDA_VISIBLE_DEVICES", None)
 
     def write_config(self, text: str) -> pathlib.Path:
         """Use `text` as the GPU description (before any process creates the state)."""

@@ -184,3 +184,43 @@ def test_fork_child_cannot_use_the_parents_driver(sim, bins):
     assert out["parent_count"] == "2"
     assert out["late_child_init"] == "3" and out["late_child_count"] == "-3"  # NOT_INITIALIZED
     assert out["parent_after_count"] == "2"
+
+
+ALLOC_AND_FREE = """
+from cuda.bindings import driver as cu
+OK = cu.CUresult.CUDA_SUCCESS
+assert cu.cuInit(0)[0] == OK
+err, ctx = cu.cuCtxCreate(0, 0)
+assert err == OK
+err, p = cu.cuMemAlloc(1 << 30)
+assert err == OK
+assert cu.cuMemFree(p)[0] == OK
+assert cu.cuCtxDestroy(ctx)[0] == OK
+"""
+
+
+def test_memory_peak_is_the_high_water_mark(sim, bins):
+    """`memory_peak` keeps the most memory a GPU had in use at once after it is freed;
+    `gpusim reset-peak` restarts it at the current use, to measure one phase."""
+    sim.write_config(ONE_GPU)
+    gpu = lambda: sim.status()["gpus"][0]  # noqa: E731
+    sim.python(ALLOC_AND_FREE)
+    g = gpu()
+    assert g["memory_used"] == 0
+    assert g["memory_peak"] == (1024 + 300) << 20, "1 GiB + the 300 MiB context, at once"
+    assert "peak 1324 MiB" in sim.gpusim("status").stdout
+    w = start(sim, bins, "--hold-mib", "100", "--count", "0", "--wait")
+    held = (100 + 300 + 1) << 20  # allocation + context + module
+    g = gpu()
+    assert g["memory_used"] == held and g["memory_peak"] == (1024 + 300) << 20
+    sim.gpusim("reset-peak")
+    assert gpu()["memory_peak"] == held, "reset brings the peak down to the current use"
+    w.kill()
+    w.wait()
+    g = gpu()
+    assert g["memory_used"] == 0 and g["memory_peak"] == held
+    # by UUID or index; a GPU that does not exist is an error
+    sim.gpusim("reset-peak", "GPU-11111111-2222-3333-4444-555555555555")
+    assert gpu()["memory_peak"] == 0
+    p = sim.gpusim("reset-peak", "1", check=False)
+    assert p.returncode != 0 and "out of range" in p.stderr

@@ -38,6 +38,12 @@ enum Cmd {
         /// XID number, e.g. 79 (GPU fallen off the bus) or 13 (graphics engine exception).
         xid: u64,
     },
+    /// Restart the memory high-water mark (`memory_peak`) at the memory in use now, so the
+    /// peak of one phase of a test can be measured.
+    ResetPeak {
+        /// GPU index or UUID; every GPU when omitted.
+        gpu: Option<String>,
+    },
     /// Print the built-in configuration (two A100-40GB GPUs), a starting point for your own.
     DefaultConfig,
 }
@@ -61,6 +67,8 @@ struct GpuJson {
     memory_total: u64,
     memory_reserved: u64,
     memory_used: u64,
+    /// Most memory in use at once since the state was created or `gpusim reset-peak`.
+    memory_peak: u64,
     sm_util: u32,
     mem_util: u32,
     busy_ns: u64,
@@ -84,6 +92,7 @@ fn main() -> Result<()> {
         }
         Cmd::Status { json } => status(json),
         Cmd::InjectXid { gpu, xid } => inject(&gpu, xid),
+        Cmd::ResetPeak { gpu } => reset_peak(gpu.as_deref()),
     }
 }
 
@@ -107,6 +116,7 @@ fn status(json: bool) -> Result<()> {
             memory_total: v.memory_total,
             memory_reserved: v.memory_reserved,
             memory_used: v.memory_used,
+            memory_peak: v.memory_peak,
             sm_util: v.sm_util,
             mem_util: v.mem_util,
             busy_ns: v.busy_ns,
@@ -138,13 +148,14 @@ fn status(json: bool) -> Result<()> {
     println!("gpusim state {}", s.state);
     for g in &s.gpus {
         println!(
-            "GPU {}  {}  {}  bus {}\n      memory {} / {} MiB used   utilization {}% (memory {}%)   busy {:.3} s   xids {}",
+            "GPU {}  {}  {}  bus {}\n      memory {} / {} MiB used (peak {} MiB)   utilization {}% (memory {}%)   busy {:.3} s   xids {}",
             g.index,
             g.name,
             g.uuid,
             g.pci_bus_id,
             g.memory_used >> 20,
             g.memory_total >> 20,
+            g.memory_peak >> 20,
             g.sm_util,
             g.mem_util,
             g.busy_ns as f64 / 1e9,
@@ -168,9 +179,9 @@ fn status(json: bool) -> Result<()> {
     Ok(())
 }
 
-fn inject(gpu: &str, xid: u64) -> Result<()> {
-    let st = open()?;
-    let g = match gpu.parse::<usize>() {
+/// The GPU a command-line argument names: an index or a UUID.
+fn gpu_index(st: &State, gpu: &str) -> Result<usize> {
+    Ok(match gpu.parse::<usize>() {
         Ok(i) if i < st.num_gpus() => i,
         Ok(i) => bail!(
             "GPU index {i} is out of range: this machine has {} GPUs (0..{})",
@@ -183,8 +194,30 @@ fn inject(gpu: &str, xid: u64) -> Result<()> {
             .iter()
             .position(|c| c.uuid.eq_ignore_ascii_case(gpu))
             .with_context(|| format!("no GPU has UUID {gpu}; `gpusim status` lists them"))?,
-    };
+    })
+}
+
+fn inject(gpu: &str, xid: u64) -> Result<()> {
+    let st = open()?;
+    let g = gpu_index(&st, gpu)?;
     st.inject_xid(g, xid);
     println!("XID {xid} raised on GPU {g} ({})", st.config.gpu[g].uuid);
+    Ok(())
+}
+
+fn reset_peak(gpu: Option<&str>) -> Result<()> {
+    let st = open()?;
+    let gpus = match gpu {
+        Some(gpu) => vec![gpu_index(&st, gpu)?],
+        None => (0..st.num_gpus()).collect(),
+    };
+    for g in gpus {
+        st.reset_peak(g);
+        println!(
+            "GPU {g} ({}): memory peak reset to {} MiB in use",
+            st.config.gpu[g].uuid,
+            st.memory_peak(g) >> 20
+        );
+    }
     Ok(())
 }

@@ -5,7 +5,7 @@
 //! ```text
 //! offset 0                 Header        magic, version, sizes, config text, process-table lock
 //! Header::SIZE             ProcSlot × MAX_PROCS   one per process that used libcuda
-//! ...                      Gpu × num_gpus          per-GPU lock, memory, XIDs, scheduler
+//! ...                      Gpu × num_gpus          per-GPU lock, memory (used, peak), XIDs, scheduler
 //! file_size + slot         (beyond the mapping) one byte per slot, OFD-locked by its owner
 //! ```
 //!
@@ -22,7 +22,7 @@ use crate::robust::RawRobustMutex;
 /// "GPUSIMST" little-endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUSIMST");
 /// Layout version; bump on any change to the structs below.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 pub const MAX_GPUS: usize = 8;
 pub const MAX_PROCS: usize = 128;
 /// Contexts per GPU (across all processes) that can hold queued work.
@@ -93,6 +93,9 @@ pub struct Gpu {
     pub lock: RawRobustMutex,
     /// Device memory in use by all processes, bytes.
     pub mem_used: AtomicU64,
+    /// Highest `mem_used` since the file was created or `gpusim reset-peak` (raised with
+    /// `fetch_max` by every successful charge).
+    pub mem_peak: AtomicU64,
     /// Number of XIDs injected; also the futex word event waiters sleep on.
     pub xid_count: AtomicU32,
     pub _pad: u32,

@@ -14,6 +14,8 @@ pub mod layout;
 pub mod robust;
 pub mod sched;
 pub mod state;
+pub mod visible;
 
 pub use config::{Config, ConfigError, GpuConfig, PcieLevel};
 pub use state::{now_ns, sleep_until, GpuView, ProcHandle, ProcInfo, ProcSample, SimError, State};
+pub use visible::visible_devices;

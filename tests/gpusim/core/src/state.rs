@@ -29,6 +29,8 @@ pub enum SimError {
     },
     #[error("gpusim: state file {path} is corrupt ({why}); delete it (rm {path}) and restart the processes that use it")]
     StateCorrupt { path: String, why: String },
+    #[error("gpusim: state file {path} was written by a different gpusim (state layout version {found}; this gpusim uses version {VERSION}); delete it (rm {path}) and restart the processes that use it")]
+    StateVersion { path: String, found: u32 },
     #[error("gpusim: state file {path} was created for other GPUs than GPUSIM_CONFIG={config} describes; delete it or set GPUSIM_STATE to another path")]
     ConfigMismatch { path: String, config: String },
     #[error("gpusim: state file {path}: {err}")]
@@ -158,6 +160,8 @@ pub struct GpuView {
     pub memory_total: u64,
     pub memory_reserved: u64,
     pub memory_used: u64,
+    /// Highest `memory_used` since the state was created or the peak was last reset.
+    pub memory_peak: u64,
     /// Utilization of the last complete sample period, percent.
     pub sm_util: u32,
     pub mem_util: u32,
@@ -420,10 +424,10 @@ impl State {
             )));
         }
         if h.version != VERSION {
-            return Err(corrupt(format!(
-                "layout version {} but this gpusim reads version {VERSION}",
-                h.version
-            )));
+            return Err(SimError::StateVersion {
+                path: path.display().to_string(),
+                found: h.version,
+            });
         }
         let n = h.num_gpus as usize;
         if n == 0 || n > MAX_GPUS || h.file_size != file_size(n) as u64 || size != h.file_size {
@@ -709,17 +713,19 @@ impl State {
 
     fn try_charge(&self, g: usize, p: &ProcHandle, bytes: u64) -> bool {
         let cap = self.usable_memory(g);
-        let used = &self.gpu(g).mem_used;
+        let gpu = self.gpu(g);
+        let used = &gpu.mem_used;
         let mut cur = used.load(Relaxed);
-        loop {
+        let next = loop {
             let Some(next) = cur.checked_add(bytes).filter(|&n| n <= cap) else {
                 return false;
             };
             match used.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
-                Ok(_) => break,
+                Ok(_) => break next,
                 Err(c) => cur = c,
             }
-        }
+        };
+        gpu.mem_peak.fetch_max(next, Relaxed);
         self.slots()[p.slot as usize].mem[g].fetch_add(bytes, Relaxed);
         true
     }
@@ -736,6 +742,20 @@ impl State {
 
     pub fn memory_used(&self, g: usize) -> u64 {
         self.gpu(g).mem_used.load(Relaxed)
+    }
+
+    /// The most memory GPU `g` has had in use at once since the state was created or
+    /// [`State::reset_peak`].
+    pub fn memory_peak(&self, g: usize) -> u64 {
+        self.gpu(g).mem_peak.load(Relaxed)
+    }
+
+    /// Start measuring GPU `g`'s peak afresh: set it to the memory in use now. A charge
+    /// racing with the reset is not lost: the peak ends at least at the use when this returns.
+    pub fn reset_peak(&self, g: usize) {
+        let gpu = self.gpu(g);
+        gpu.mem_peak.store(gpu.mem_used.load(Relaxed), Relaxed);
+        gpu.mem_peak.fetch_max(gpu.mem_used.load(Relaxed), Relaxed);
     }
 
     pub fn add_context(&self, g: usize, p: &ProcHandle, delta: i32) {
@@ -861,6 +881,7 @@ impl State {
             memory_total: c.memory_bytes(),
             memory_reserved: c.reserved_bytes(),
             memory_used: self.memory_used(g),
+            memory_peak: self.memory_peak(g),
             sm_util: sm,
             mem_util: mem_util_of(sm),
             busy_ns: busy,
@@ -1176,6 +1197,67 @@ mod tests {
         assert_eq!(st.memory_used(1), 0);
         st.unregister_process(p);
         assert!(st.processes(1).is_empty());
+    }
+
+    #[test]
+    fn peak_is_the_high_water_mark_until_reset() {
+        let (_d, st) = tmp_state();
+        let p = st.register_process().unwrap();
+        assert_eq!(st.memory_peak(0), 0);
+        assert!(st.charge(0, &p, 100 << 20));
+        assert!(st.charge(0, &p, 50 << 20));
+        assert_eq!(st.memory_peak(0), 150 << 20);
+        st.uncharge(0, &p, 150 << 20);
+        assert_eq!(st.memory_used(0), 0);
+        assert_eq!(st.memory_peak(0), 150 << 20, "freeing keeps the peak");
+        assert!(st.charge(0, &p, 20 << 20));
+        assert_eq!(
+            st.memory_peak(0),
+            150 << 20,
+            "a smaller charge keeps the peak"
+        );
+        // a failed charge moves nothing
+        assert!(!st.charge(0, &p, st.usable_memory(0)));
+        assert_eq!(st.memory_peak(0), 150 << 20);
+        assert_eq!(st.view(0).unwrap().memory_peak, 150 << 20);
+        // other GPUs have their own peak
+        assert_eq!(st.memory_peak(1), 0);
+        st.reset_peak(0);
+        assert_eq!(
+            st.memory_peak(0),
+            20 << 20,
+            "reset brings the peak to the current use"
+        );
+        assert!(st.charge(0, &p, 10 << 20));
+        assert_eq!(st.memory_peak(0), 30 << 20);
+        st.unregister_process(p);
+        assert_eq!(st.memory_used(0), 0);
+        assert_eq!(st.memory_peak(0), 30 << 20, "process exit keeps the peak");
+        st.reset_peak(0);
+        assert_eq!(st.memory_peak(0), 0);
+    }
+
+    #[test]
+    fn other_layout_version_is_refused_with_advice() {
+        let (dir, st) = tmp_state();
+        drop(st);
+        let path = dir.path().join("s");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let at = std::mem::offset_of!(Header, version);
+        bytes[at..at + 4].copy_from_slice(&(VERSION - 1).to_le_bytes());
+        std::fs::write(&path, bytes).unwrap();
+        let e = State::open(&path, None).err().unwrap();
+        assert!(
+            matches!(e, SimError::StateVersion { found, .. } if found == VERSION - 1),
+            "{e}"
+        );
+        let e = e.to_string();
+        let rm = format!("delete it (rm {})", path.display());
+        assert!(
+            e.contains(&format!("state layout version {}", VERSION - 1)) && e.contains(&rm),
+            "{e}"
+        );
+        assert!(!e.contains('\n'));
     }
 
     #[test]

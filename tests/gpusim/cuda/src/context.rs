@@ -286,7 +286,7 @@ exports! {
         let d = driver()?;
         let inner = d.inner.lock();
         let id = d.current(&inner)?;
-        dev.write(inner.ctxs[&id].dev as CUdevice)
+        dev.write(d.ordinal(inner.ctxs[&id].dev)?)
     }
     fn cuCtxGetFlags(flags: Out<c_uint>) {
         let d = driver()?;

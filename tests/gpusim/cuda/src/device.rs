@@ -167,7 +167,7 @@ exports! {
     }
     fn cuDeviceGetCount(count: Out<i32>) {
         let d = driver()?;
-        count.write(d.st.num_gpus() as i32)
+        count.write(d.device_count() as i32)
     }
     fn cuDeviceGet(device: Out<CUdevice>, ordinal: i32) {
         let d = driver()?;
@@ -248,7 +248,8 @@ exports! {
             .iter()
             .position(|g| normalize_bus_id(&g.pci_bus_id).as_deref() == Some(want.as_str()))
             .ok_or(CUDA_ERROR_INVALID_DEVICE)?;
-        dev.write(i as CUdevice)
+        // A GPU CUDA_VISIBLE_DEVICES hides has no ordinal: INVALID_DEVICE, as for no GPU.
+        dev.write(d.ordinal(i)?)
     }
     fn cuDeviceCanAccessPeer(can: Out<i32>, dev: CUdevice, peer: CUdevice) {
         let d = driver()?;

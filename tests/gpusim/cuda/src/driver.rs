@@ -12,11 +12,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::OnceLock;
 
 use gpusim_core::layout::MAX_GPUS;
-use gpusim_core::{ProcHandle, State};
+use gpusim_core::{visible_devices, ProcHandle, State};
 use parking_lot::Mutex;
 
 use crate::errors::*;
-use crate::ffi::{Handle, R};
+use crate::ffi::{CUdevice, Handle, R};
 use crate::va::Region;
 
 /// A fast hasher for our own u64 ids (sequential, so a multiply spreads them well).
@@ -204,6 +204,11 @@ impl Inner {
 pub struct Driver {
     pub st: State,
     pub proc: ProcHandle,
+    /// The GPUs `CUDA_VISIBLE_DEVICES` lets this process see: entry `i` is the config index
+    /// of the device the application calls ordinal `i`. Everything inside gpusim-cuda keys
+    /// devices by config index; ordinals exist only at the API boundary
+    /// ([`Driver::device`] in, [`Driver::ordinal`] out).
+    pub visible: Vec<usize>,
     pub inner: Mutex<Inner>,
     /// (dev, queue, seq) of recorded events whose completion time must outlive the
     /// queue's ring → done_at (0 until harvested).
@@ -237,9 +242,10 @@ extern "C" fn in_fork_child() {
     FORKED.store(true, Relaxed);
 }
 
-/// `cuInit`: open the simulator and claim this process's slot. A broken config or state
-/// file prints one line (naming the file and the problem) once, and returns
-/// `CUDA_ERROR_SYSTEM_NOT_READY`; a later `cuInit` tries again.
+/// `cuInit`: open the simulator, read `CUDA_VISIBLE_DEVICES` and claim this process's slot.
+/// A broken config or state file prints one line (naming the file and the problem) once,
+/// and returns `CUDA_ERROR_SYSTEM_NOT_READY`; a `CUDA_VISIBLE_DEVICES` that hides every GPU
+/// returns `CUDA_ERROR_NO_DEVICE`, as the driver does. A later `cuInit` tries again.
 pub fn init(flags: u32) -> R {
     if flags != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -254,13 +260,24 @@ pub fn init(flags: u32) -> R {
     if DRIVER.get().is_some() {
         return Ok(());
     }
-    let opened = State::open_from_env().and_then(|st| st.register_process().map(|p| (st, p)));
-    match opened {
-        Ok((st, proc)) => {
+    let st = match State::open_from_env() {
+        Ok(st) => st,
+        Err(e) => return Err(not_ready(e)),
+    };
+    let visible = match std::env::var_os("CUDA_VISIBLE_DEVICES") {
+        None => (0..st.num_gpus()).collect(),
+        Some(spec) => visible_devices(&spec.to_string_lossy(), &st.config.gpu),
+    };
+    if visible.is_empty() {
+        return Err(CUDA_ERROR_NO_DEVICE);
+    }
+    match st.register_process() {
+        Ok(proc) => {
             let n = st.num_gpus();
             let _ = DRIVER.set(Driver {
                 st,
                 proc,
+                visible,
                 inner: Mutex::new(Inner::new(n)),
                 watch: Mutex::new(HashMap::new()),
                 watching: AtomicUsize::new(0),
@@ -272,13 +289,16 @@ pub fn init(flags: u32) -> R {
             }
             Ok(())
         }
-        Err(e) => {
-            if !REPORTED.swap(true, Relaxed) {
-                eprintln!("{e}");
-            }
-            Err(CUDA_ERROR_SYSTEM_NOT_READY)
-        }
+        Err(e) => Err(not_ready(e)),
     }
+}
+
+/// Report why the simulator cannot start (once per process): `CUDA_ERROR_SYSTEM_NOT_READY`.
+fn not_ready(e: gpusim_core::SimError) -> CUresult {
+    if !REPORTED.swap(true, Relaxed) {
+        eprintln!("{e}");
+    }
+    CUDA_ERROR_SYSTEM_NOT_READY
 }
 
 thread_local! {
@@ -338,12 +358,28 @@ impl Driver {
         Ok(s.ctx)
     }
 
-    /// The device ordinal `dev`, checked.
-    pub fn device(&self, dev: i32) -> Result<usize, CUresult> {
-        if dev < 0 || dev as usize >= self.st.num_gpus() {
-            return Err(CUDA_ERROR_INVALID_DEVICE);
-        }
-        Ok(dev as usize)
+    /// The config index of the GPU the application calls ordinal `dev` (a visible
+    /// ordinal, see [`Driver::visible`]); `CUDA_ERROR_INVALID_DEVICE` if there is none.
+    pub fn device(&self, dev: CUdevice) -> Result<usize, CUresult> {
+        usize::try_from(dev)
+            .ok()
+            .and_then(|i| self.visible.get(i).copied())
+            .ok_or(CUDA_ERROR_INVALID_DEVICE)
+    }
+
+    /// The ordinal the application knows GPU `real` (a config index) by;
+    /// `CUDA_ERROR_INVALID_DEVICE` if `CUDA_VISIBLE_DEVICES` hides it.
+    pub fn ordinal(&self, real: usize) -> Result<CUdevice, CUresult> {
+        self.visible
+            .iter()
+            .position(|&g| g == real)
+            .map(|i| i as CUdevice)
+            .ok_or(CUDA_ERROR_INVALID_DEVICE)
+    }
+
+    /// Number of devices the application sees.
+    pub fn device_count(&self) -> usize {
+        self.visible.len()
     }
 
     /// Charge device memory to this process; `CUDA_ERROR_OUT_OF_MEMORY` when the GPU is full.

@@ -157,6 +157,8 @@ impl Handle {
 }
 
 pub type CUdevice = i32;
+/// `CU_DEVICE_CPU`: the host, where a device ordinal may name it.
+pub const CU_DEVICE_CPU: CUdevice = -1;
 pub type CUdeviceptr = u64;
 pub type CUdeviceptrV1 = u32;
 pub type CUcontext = Handle;

@@ -477,7 +477,7 @@ fn pointer_attr(d: &Driver, inner: &Inner, attr: u32, p: u64) -> Result<Attr, CU
             6 => Attr::U32(0),
             7 => Attr::U64(base),
             8 => Attr::U32(u32::from(managed)),
-            9 => Attr::I32(a.dev as i32),
+            9 => Attr::I32(d.ordinal(a.dev)?),
             10 => Attr::U32(1),
             11 => Attr::U64(base),
             12 => Attr::U64(a.size),
@@ -503,7 +503,7 @@ fn pointer_attr(d: &Driver, inner: &Inner, attr: u32, p: u64) -> Result<Attr, CU
             3 | 4 => Attr::U64(p),
             7 | 11 => Attr::U64(base),
             8 => Attr::U32(0),
-            9 => Attr::I32(inner.ctxs.get(&ctx).map_or(0, |c| c.dev as i32)),
+            9 => Attr::I32(inner.ctxs.get(&ctx).map_or(Ok(0), |c| d.ordinal(c.dev))?),
             12 => Attr::U64(inner.host[&base].size),
             13 => Attr::U32(1),
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
@@ -514,7 +514,8 @@ fn pointer_attr(d: &Driver, inner: &Inner, attr: u32, p: u64) -> Result<Attr, CU
             2 => Attr::U32(CU_MEMORYTYPE_DEVICE),
             3 => Attr::U64(p),
             8 => Attr::U32(0),
-            9 => Attr::I32(dev as i32),
+            // host-located memory reports ordinal 0
+            9 => Attr::I32(dev.map_or(Ok(0), |g| d.ordinal(g))?),
             11 | 19 => Attr::U64(base),
             12 | 18 => Attr::U64(size),
             13 => Attr::U32(1),
@@ -866,14 +867,20 @@ exports! {
         memset(dst, v, 4, w as u64, pitch as u64, h as u64, false)
     }
     fn cuMemPrefetchAsync(p: CUdeviceptr, n: usize, dev: CUdevice, stream: CUstream) {
-        let _ = (dev, stream);
+        let _ = stream;
         let d = driver()?;
+        if dev != CU_DEVICE_CPU {
+            d.device(dev)?;
+        }
         let inner = d.inner.lock();
         check_dev(&inner, p, n as u64)
     }
     fn cuMemAdvise(p: CUdeviceptr, n: usize, advice: u32, dev: CUdevice) {
-        let _ = (advice, dev);
         let d = driver()?;
+        // SET_PREFERRED_LOCATION and SET_ACCESSED_BY name a device (or the CPU).
+        if matches!(advice, 3 | 5) && dev != CU_DEVICE_CPU {
+            d.device(dev)?;
+        }
         let inner = d.inner.lock();
         check_dev(&inner, p, n as u64)
     }

@@ -289,7 +289,11 @@ exports! {
     }
     fn cuMemPoolSetAccess(pool: CUmemoryPool, desc: In<CUmemAccessDesc>, count: usize) {
         let d = driver()?;
-        desc.slice(count)?;
+        for a in desc.slice(count)? {
+            if a.location.kind == CU_MEM_LOCATION_TYPE_DEVICE {
+                d.device(a.location.id)?;
+            }
+        }
         let mut inner = d.inner.lock();
         pool_mut(&mut inner, pool)?;
         Ok(())

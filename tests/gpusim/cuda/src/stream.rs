@@ -353,7 +353,13 @@ exports! {
         stream_prop(stream, id, |_, _, _| stream.id())
     }
     fn cuStreamGetDevice(stream: CUstream, dev: Out<CUdevice>) {
-        stream_prop(stream, dev, |i, c, _| i.ctxs[&c].dev as CUdevice)
+        let d = driver()?;
+        let real = {
+            let inner = d.inner.lock();
+            let ctx = d.stream_ctx(&inner, stream)?;
+            inner.ctxs[&ctx].dev
+        };
+        dev.write(d.ordinal(real)?)
     }
     fn cuStreamAttachMemAsync(stream: CUstream, p: CUdeviceptr, len: usize, flags: c_uint) {
         let _ = (p, len, flags);

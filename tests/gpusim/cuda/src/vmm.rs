@@ -49,13 +49,14 @@ impl Vmm {
             .is_some_and(|(&b, m)| p + n <= b + m.size)
     }
 
-    /// (base, size, device) of the mapping containing `p`.
-    pub fn mapping_of(&self, p: u64) -> Option<(u64, u64, usize)> {
+    /// (base, size, device) of the mapping containing `p`; the device (a config index) is
+    /// `None` for memory located on the host.
+    pub fn mapping_of(&self, p: u64) -> Option<(u64, u64, Option<usize>)> {
         let (&b, m) = self.mappings.range(..=p).next_back()?;
         if p >= b + m.size {
             return None;
         }
-        let dev = self.handles.get(&m.handle).and_then(|h| h.dev).unwrap_or(0);
+        let dev = self.handles.get(&m.handle).and_then(|h| h.dev);
         Some((b, m.size, dev))
     }
 
@@ -251,7 +252,10 @@ exports! {
     }
     fn cuMemGetAccess(flags: Out<u64>, location: In<CUmemLocation>, ptr: CUdeviceptr) {
         let d = driver()?;
-        location.get()?;
+        let loc = location.get()?;
+        if loc.kind == CU_MEM_LOCATION_TYPE_DEVICE {
+            d.device(loc.id)?;
+        }
         let inner = d.inner.lock();
         flags.write(if inner.vmm.mapping_of(ptr).is_some() { 3 } else { 0 })
     }

@@ -1,0 +1,15 @@
+//! vcuda-contract: what libvcuda and vcuda-manager agree on, versioned, and nothing else.
+//!
+//! - [`config`]: the per-container config file (read-only to the container).
+//! - [`region`]: the per-container usage region (read-write, shared by the container's
+//!   processes), its layout and its lock-free reservation protocol.
+//!
+//! Invariants: no tokio, no tonic, no allocation-heavy dependencies — this crate is linked
+//! into every CUDA process. A change to the region layout bumps `REGION_VERSION`; a change to
+//! the config format bumps `CONFIG_VERSION`.
+
+pub mod config;
+pub mod region;
+
+pub use config::{ConfigError, ContainerConfig, GpuLimit};
+pub use region::{Region, RegionError, SlotId};

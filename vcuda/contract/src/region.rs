@@ -1,0 +1,724 @@
+//! The per-container usage region: a small file every CUDA process of the container maps
+//! shared (and the manager reads from the host). It is a protocol: `#[repr(C)]`, a magic
+//! number and a version.
+//!
+//! ```text
+//! 0        RegionHeader   magic "VCUDARGN", version, GPU UUIDs, learned context/module costs
+//! 4096     Slot × 64      one per process: pid, and per GPU the bytes it holds
+//! len + i  (beyond the mapping) byte i is OFD-locked by the process owning slot i
+//! ```
+//!
+//! **Reservation without a lock.** Each process changes only its own slot's counters. To
+//! reserve `n` bytes on a GPU a process first *announces* them (adds `n` to its own counter,
+//! SeqCst), then sums every slot's counters (SeqCst loads); if the sum exceeds the limit it
+//! withdraws the announcement and fails. Of any set of concurrent reservers, the last to
+//! announce in the SeqCst order sees all the others' announcements, so the reservations that
+//! succeed never sum above the limit at any instant. A process killed at any instruction
+//! leaves only its own counters behind, and those are zeroed when its slot is reclaimed.
+//! There is no lock to leave held.
+//!
+//! **Liveness.** A process holds an open-file-description lock on its slot's byte; the
+//! kernel drops it when the process dies, even by SIGKILL. Inside the container's pid
+//! namespace the pid and its start time are checked too, because a child forked without
+//! `exec` shares the lock.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+use crate::config::MAX_GPUS;
+
+pub const REGION_MAGIC: u64 = u64::from_le_bytes(*b"VCUDARGN");
+pub const REGION_VERSION: u32 = 1;
+/// Processes per container.
+pub const MAX_PROCS: usize = 64;
+
+pub const SLOT_FREE: u32 = 0;
+pub const SLOT_ACTIVE: u32 = 1;
+pub const SLOT_BUSY: u32 = 2;
+
+#[repr(C)]
+pub struct RegionHeader {
+    /// [`REGION_MAGIC`], written last when the region is created.
+    pub magic: AtomicU64,
+    pub version: u32,
+    pub num_gpus: u32,
+    pub size: u64,
+    /// The container's GPUs, in config order.
+    pub uuids: [[u8; 16]; MAX_GPUS],
+    /// 1 + the highest slot index ever claimed; sums read the slots below it.
+    pub slots_used: AtomicU32,
+    pub _pad: u32,
+    /// Device memory a context was measured to cost on each GPU: reserved before the next
+    /// context is created so that creating one cannot overshoot the quota.
+    pub ctx_cost: [AtomicU64; MAX_GPUS],
+    /// Device memory a module load was last measured to cost.
+    pub module_cost: [AtomicU64; MAX_GPUS],
+}
+
+/// One process's share of the region. 128-byte aligned so processes updating their own
+/// counters do not contend for a cache line.
+#[repr(C, align(128))]
+pub struct Slot {
+    pub state: AtomicU32,
+    /// Pid in the container's namespace.
+    pub pid: AtomicU32,
+    /// Pid on the host, once the manager has said (0 until then).
+    pub host_pid: AtomicU32,
+    /// Bumped at each claim.
+    pub generation: AtomicU32,
+    /// Start time of `pid` (clock ticks since boot, /proc/<pid>/stat field 22).
+    pub start_time: AtomicU64,
+    /// Bytes reserved through allocation calls, per GPU.
+    pub api: [AtomicU64; MAX_GPUS],
+    /// Bytes the driver charges the process beyond its allocations (contexts, modules,
+    /// limits), per GPU, as last measured.
+    pub hidden: [AtomicU64; MAX_GPUS],
+}
+
+const HEADER_SIZE: usize = 4096;
+const _: () = assert!(std::mem::size_of::<RegionHeader>() <= HEADER_SIZE);
+pub const REGION_SIZE: usize = HEADER_SIZE + MAX_PROCS * std::mem::size_of::<Slot>();
+
+/// A region problem. The message is one line naming the file and what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegionError {
+    #[error("vcuda: region {path}: cannot {op} ({err}); check the config's `region` path and that the directory is writable")]
+    Io {
+        path: String,
+        op: &'static str,
+        err: String,
+    },
+    #[error("vcuda: region {path} is not a usable vcuda region ({why}); remove it when no process of the container runs")]
+    Incompatible { path: String, why: String },
+    #[error("vcuda: region {path} belongs to other GPUs ({why}) and live processes still use it; stop them or point the config at another region")]
+    InUse { path: String, why: String },
+    #[error("vcuda: region {path}: all {MAX_PROCS} process slots are held by live processes")]
+    Full { path: String },
+}
+
+/// A process's claim on a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotId {
+    pub index: u32,
+    pub generation: u32,
+}
+
+/// One process as the manager and `vcuda_*` see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotView {
+    pub index: u32,
+    pub pid: u32,
+    pub host_pid: u32,
+    pub api: Vec<u64>,
+    pub hidden: Vec<u64>,
+}
+
+/// The mapped region. Unmaps in `Drop`.
+pub struct Region {
+    fd: OwnedFd,
+    base: *mut u8,
+    path: PathBuf,
+    num_gpus: usize,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics (and plain fields
+// written once before the magic is published); `base` never changes after construction.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: base/REGION_SIZE are what mmap returned; nothing borrows from the mapping
+        // beyond &self.
+        unsafe { libc::munmap(self.base.cast(), REGION_SIZE) };
+    }
+}
+
+fn io(path: &Path, op: &'static str, err: std::io::Error) -> RegionError {
+    RegionError::Io {
+        path: path.display().to_string(),
+        op,
+        err: err.to_string(),
+    }
+}
+
+struct Flock<'a>(&'a OwnedFd);
+impl Drop for Flock<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the fd is open for the guard's lifetime.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+impl Region {
+    /// Open the region at `path`, creating it for `uuids` if it does not exist. A region
+    /// made for other GPUs is recreated when no live process uses it, refused otherwise.
+    pub fn open_or_create(path: &Path, uuids: &[[u8; 16]]) -> Result<Region, RegionError> {
+        assert!(!uuids.is_empty() && uuids.len() <= MAX_GPUS);
+        let c = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| io(path, "open it", std::io::ErrorKind::InvalidInput.into()))?;
+        // SAFETY: c is NUL-terminated.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC,
+                0o666 as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            return Err(io(path, "open it", std::io::Error::last_os_error()));
+        }
+        // SAFETY: a descriptor we just opened and now own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let base = {
+            // SAFETY: fd is open.
+            if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX) } != 0 {
+                return Err(io(path, "lock it", std::io::Error::last_os_error()));
+            }
+            let _g = Flock(&fd);
+            Region::setup(&fd, path, uuids)?
+        };
+        Ok(Region {
+            fd,
+            base,
+            path: path.to_path_buf(),
+            num_gpus: uuids.len(),
+        })
+    }
+
+    fn setup(fd: &OwnedFd, path: &Path, uuids: &[[u8; 16]]) -> Result<*mut u8, RegionError> {
+        let size = file_size(fd).map_err(|e| io(path, "stat it", e))?;
+        let incompatible = |why: String| RegionError::Incompatible {
+            path: path.display().to_string(),
+            why,
+        };
+        if size != 0 && size != REGION_SIZE as u64 {
+            return Err(incompatible(format!(
+                "{size} bytes, expected {REGION_SIZE}"
+            )));
+        }
+        if size == 0 {
+            set_len(fd, REGION_SIZE).map_err(|e| io(path, "size it", e))?;
+        }
+        let base = map(fd).map_err(|e| io(path, "map it", e))?;
+        let region = Region {
+            fd: dup(fd).map_err(|e| io(path, "dup it", e))?,
+            base,
+            path: path.to_path_buf(),
+            num_gpus: uuids.len(),
+        };
+        let h = region.header();
+        let magic = h.magic.load(Acquire);
+        if magic == 0 {
+            region.initialise(uuids);
+        } else if magic != REGION_MAGIC {
+            return Err(incompatible(format!("bad magic number {magic:#018x}")));
+        } else if h.version != REGION_VERSION {
+            return Err(incompatible(format!(
+                "layout version {}, this libvcuda uses {REGION_VERSION}",
+                h.version
+            )));
+        } else if h.num_gpus as usize != uuids.len() || h.uuids[..uuids.len()] != *uuids {
+            let live = (0..MAX_PROCS as u32)
+                .filter(|&i| {
+                    region.slots()[i as usize].state.load(Acquire) != SLOT_FREE
+                        && region.holder_alive(i, false)
+                })
+                .count();
+            if live > 0 {
+                return Err(RegionError::InUse {
+                    path: path.display().to_string(),
+                    why: format!(
+                        "it counts {} GPU(s) {}, the config names {}",
+                        h.num_gpus,
+                        fmt_uuids(&h.uuids[..h.num_gpus as usize]),
+                        fmt_uuids(uuids)
+                    ),
+                });
+            }
+            region.initialise(uuids);
+        }
+        // Hand the mapping to the caller's Region (this temporary one must not unmap it).
+        let base = region.base;
+        std::mem::forget(region);
+        Ok(base)
+    }
+
+    /// Zero the file and lay out a fresh region. The caller holds the flock.
+    fn initialise(&self, uuids: &[[u8; 16]]) {
+        // SAFETY: we hold the flock and the region is (or is being made) unused: nobody else
+        // reads or writes it until the magic is published.
+        unsafe { std::ptr::write_bytes(self.base, 0, REGION_SIZE) };
+        // SAFETY: as above; the header lies at the start of the mapping.
+        let h = unsafe { &mut *(self.base as *mut RegionHeader) };
+        h.version = REGION_VERSION;
+        h.num_gpus = uuids.len() as u32;
+        h.size = REGION_SIZE as u64;
+        h.uuids[..uuids.len()].copy_from_slice(uuids);
+        h.magic.store(REGION_MAGIC, Release);
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// After `fork`: give this process its own open file description of the region (the
+    /// inherited one is shared with the parent, and so are the locks on it), keeping the
+    /// descriptor number. Call in the child before claiming a slot.
+    pub fn reopen_after_fork(&self) -> Result<(), RegionError> {
+        let c = CString::new(self.path.as_os_str().as_encoded_bytes()).map_err(|_| {
+            io(
+                &self.path,
+                "reopen it",
+                std::io::ErrorKind::InvalidInput.into(),
+            )
+        })?;
+        // SAFETY: c is NUL-terminated.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(io(&self.path, "reopen it", std::io::Error::last_os_error()));
+        }
+        // SAFETY: dup3 atomically makes our descriptor number refer to the new description;
+        // the old one is still the parent's, which keeps its own reference.
+        let rc = unsafe { libc::dup3(fd, self.fd.as_raw_fd(), libc::O_CLOEXEC) };
+        let err = std::io::Error::last_os_error();
+        // SAFETY: fd is ours and no longer needed (its description lives on under self.fd).
+        unsafe { libc::close(fd) };
+        if rc < 0 {
+            return Err(io(&self.path, "reopen it", err));
+        }
+        Ok(())
+    }
+
+    pub fn num_gpus(&self) -> usize {
+        self.num_gpus
+    }
+
+    pub fn header(&self) -> &RegionHeader {
+        // SAFETY: the mapping starts with a RegionHeader and lives as long as self.
+        unsafe { &*(self.base as *const RegionHeader) }
+    }
+
+    pub fn slots(&self) -> &[Slot] {
+        // SAFETY: MAX_PROCS slots follow the 4 KiB header inside the mapping.
+        unsafe { std::slice::from_raw_parts(self.base.add(HEADER_SIZE) as *const Slot, MAX_PROCS) }
+    }
+
+    // ---- reservation ------------------------------------------------------------------
+
+    /// Reserve `bytes` on GPU `dev` for slot `me` if the container's total stays within
+    /// `limit`. Lock-free; see the module comment for why it never overshoots.
+    #[inline]
+    pub fn reserve(&self, me: SlotId, dev: usize, bytes: u64, limit: u64) -> bool {
+        let mine = &self.slots()[me.index as usize].api[dev];
+        mine.fetch_add(bytes, SeqCst);
+        if self.used_seqcst(dev) <= limit {
+            return true;
+        }
+        mine.fetch_sub(bytes, SeqCst);
+        false
+    }
+
+    /// Give back `bytes` reserved earlier.
+    #[inline]
+    pub fn release(&self, me: SlotId, dev: usize, bytes: u64) {
+        let c = &self.slots()[me.index as usize].api[dev];
+        // Saturating: never wrap below zero even if the caller's bookkeeping were off.
+        let _ = c.fetch_update(Release, Relaxed, |v| Some(v.saturating_sub(bytes)));
+    }
+
+    /// Add `bytes` without checking the limit: memory the driver already holds (counted
+    /// late). The container may then be over its quota until usage drops.
+    pub fn force_add(&self, me: SlotId, dev: usize, bytes: u64) {
+        self.slots()[me.index as usize].api[dev].fetch_add(bytes, SeqCst);
+    }
+
+    /// Set this process's measured hidden memory on `dev`; returns the previous value.
+    pub fn set_hidden(&self, me: SlotId, dev: usize, bytes: u64) -> u64 {
+        self.slots()[me.index as usize].hidden[dev].swap(bytes, SeqCst)
+    }
+
+    /// What the container holds on `dev` (all processes, allocations and hidden memory).
+    #[inline]
+    pub fn used(&self, dev: usize) -> u64 {
+        self.sum(dev, Relaxed)
+    }
+
+    #[inline]
+    fn used_seqcst(&self, dev: usize) -> u64 {
+        self.sum(dev, SeqCst)
+    }
+
+    #[inline]
+    fn sum(&self, dev: usize, order: std::sync::atomic::Ordering) -> u64 {
+        let n = (self.header().slots_used.load(Acquire) as usize).min(MAX_PROCS);
+        self.slots()[..n].iter().fold(0u64, |acc, s| {
+            acc.saturating_add(s.api[dev].load(order))
+                .saturating_add(s.hidden[dev].load(order))
+        })
+    }
+
+    /// This process's own bytes on `dev`: (allocations, hidden).
+    pub fn mine(&self, me: SlotId, dev: usize) -> (u64, u64) {
+        let s = &self.slots()[me.index as usize];
+        (s.api[dev].load(Relaxed), s.hidden[dev].load(Relaxed))
+    }
+
+    // ---- processes --------------------------------------------------------------------
+
+    fn lock_byte(
+        &self,
+        i: u32,
+        cmd: libc::c_int,
+        ltype: libc::c_int,
+    ) -> std::io::Result<libc::c_int> {
+        // SAFETY: flock is plain data; zero is a valid value (l_pid must be 0 for OFD locks).
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = ltype as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        fl.l_start = (REGION_SIZE + i as usize) as libc::off_t;
+        fl.l_len = 1;
+        // SAFETY: fd is open; fl is valid.
+        if unsafe { libc::fcntl(self.fd.as_raw_fd(), cmd, &mut fl) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(libc::c_int::from(fl.l_type))
+    }
+
+    /// Whether slot `i`'s process still runs. `check_pid` adds the pid and start-time check,
+    /// valid only inside the container's pid namespace.
+    pub fn holder_alive(&self, i: u32, check_pid: bool) -> bool {
+        let s = &self.slots()[i as usize];
+        let pid = s.pid.load(Relaxed);
+        if check_pid && pid == std::process::id() {
+            return true;
+        }
+        match self.lock_byte(i, libc::F_OFD_GETLK, libc::F_WRLCK) {
+            Ok(t) if t == libc::F_UNLCK => return false,
+            Ok(_) => {}
+            Err(_) => return true,
+        }
+        !check_pid || proc_start_time(pid).is_some_and(|t| t == s.start_time.load(Relaxed))
+    }
+
+    /// Claim a slot for the calling process.
+    pub fn claim(&self) -> Result<SlotId, RegionError> {
+        let pid = std::process::id();
+        let start = proc_start_time(pid).unwrap_or(0);
+        for (i, s) in self.slots().iter().enumerate() {
+            if s.state
+                .compare_exchange(SLOT_FREE, SLOT_BUSY, Acquire, Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            // A dead owner's forked child may still hold the byte: leave that slot alone.
+            if self
+                .lock_byte(i as u32, libc::F_OFD_SETLK, libc::F_WRLCK)
+                .is_err()
+            {
+                s.state.store(SLOT_FREE, Release);
+                continue;
+            }
+            let generation = s.generation.load(Relaxed).wrapping_add(1);
+            s.generation.store(generation, Relaxed);
+            s.pid.store(pid, Relaxed);
+            s.host_pid.store(0, Relaxed);
+            s.start_time.store(start, Relaxed);
+            for d in 0..MAX_GPUS {
+                s.api[d].store(0, Relaxed);
+                s.hidden[d].store(0, Relaxed);
+            }
+            s.state.store(SLOT_ACTIVE, Release);
+            self.header().slots_used.fetch_max(i as u32 + 1, AcqRel);
+            return Ok(SlotId {
+                index: i as u32,
+                generation,
+            });
+        }
+        Err(RegionError::Full {
+            path: self.path.display().to_string(),
+        })
+    }
+
+    /// Give the slot up (normal exit: the driver frees our memory as the process ends).
+    pub fn unclaim(&self, me: SlotId) {
+        let s = &self.slots()[me.index as usize];
+        if s.generation.load(Relaxed) != me.generation || s.state.load(Acquire) != SLOT_ACTIVE {
+            return;
+        }
+        zero(s);
+        let _ = self.lock_byte(me.index, libc::F_OFD_SETLK, libc::F_UNLCK);
+        s.state.store(SLOT_FREE, Release);
+    }
+
+    /// Free the slots of dead processes; returns how many. `check_pid` as for
+    /// [`Region::holder_alive`].
+    pub fn reclaim_dead(&self, check_pid: bool) -> usize {
+        let mut n = 0;
+        for (i, s) in self.slots().iter().enumerate() {
+            if s.state.load(Acquire) != SLOT_ACTIVE || self.holder_alive(i as u32, check_pid) {
+                continue;
+            }
+            // One reclaimer wins the slot.
+            if s.state
+                .compare_exchange(SLOT_ACTIVE, SLOT_BUSY, AcqRel, Relaxed)
+                .is_ok()
+            {
+                zero(s);
+                s.state.store(SLOT_FREE, Release);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Whether `me` still owns its slot (a reclaimer may have taken it if this process was
+    /// wrongly judged dead — it cannot be, but callers check before trusting counters).
+    pub fn owns(&self, me: SlotId) -> bool {
+        let s = &self.slots()[me.index as usize];
+        s.state.load(Acquire) == SLOT_ACTIVE && s.generation.load(Relaxed) == me.generation
+    }
+
+    /// Every active process.
+    pub fn processes(&self) -> Vec<SlotView> {
+        let g = self.num_gpus;
+        self.slots()
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.state.load(Acquire) == SLOT_ACTIVE)
+            .map(|(i, s)| SlotView {
+                index: i as u32,
+                pid: s.pid.load(Relaxed),
+                host_pid: s.host_pid.load(Relaxed),
+                api: s.api[..g].iter().map(|a| a.load(Relaxed)).collect(),
+                hidden: s.hidden[..g].iter().map(|a| a.load(Relaxed)).collect(),
+            })
+            .collect()
+    }
+}
+
+use std::sync::atomic::Ordering::AcqRel;
+
+fn zero(s: &Slot) {
+    for d in 0..MAX_GPUS {
+        s.api[d].store(0, Release);
+        s.hidden[d].store(0, Release);
+    }
+}
+
+fn fmt_uuids(u: &[[u8; 16]]) -> String {
+    u.iter()
+        .map(crate::config::format_uuid)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Start time of `pid` in clock ticks since boot (field 22 of /proc/<pid>/stat), or `None`
+/// if it does not exist or is a zombie.
+pub fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    // fields after the comm: state is field 3, starttime is field 22 → 19 more after state.
+    fields.nth(18)?.parse().ok()
+}
+
+fn file_size(fd: &OwnedFd) -> std::io::Result<u64> {
+    // SAFETY: stat is plain data filled by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is open; st is a valid out-pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st.st_size as u64)
+}
+
+fn set_len(fd: &OwnedFd, len: usize) -> std::io::Result<()> {
+    // SAFETY: fd is open for writing.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn map(fd: &OwnedFd) -> std::io::Result<*mut u8> {
+    // SAFETY: a shared mapping of a regular file we have open read-write, at a kernel-chosen
+    // address.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            REGION_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(p.cast())
+}
+
+fn dup(fd: &OwnedFd) -> std::io::Result<OwnedFd> {
+    fd.try_clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicI64;
+    use std::sync::Arc;
+
+    const U0: [u8; 16] = [1; 16];
+    const U1: [u8; 16] = [2; 16];
+
+    fn region() -> (tempfile::TempDir, Region) {
+        let d = tempfile::tempdir().unwrap();
+        let r = Region::open_or_create(&d.path().join("region"), &[U0, U1]).unwrap();
+        (d, r)
+    }
+
+    #[test]
+    fn layout_is_stable() {
+        assert_eq!(std::mem::size_of::<Slot>(), 256);
+        assert_eq!(REGION_SIZE, 4096 + 64 * 256);
+    }
+
+    #[test]
+    fn reserve_stops_at_the_limit_and_release_gives_back() {
+        let (_d, r) = region();
+        let me = r.claim().unwrap();
+        assert!(r.reserve(me, 0, 600, 1000));
+        assert!(!r.reserve(me, 0, 401, 1000));
+        assert!(r.reserve(me, 0, 400, 1000));
+        assert!(r.reserve(me, 1, 1000, 1000), "GPUs are counted separately");
+        assert_eq!(r.used(0), 1000);
+        r.release(me, 0, 1000);
+        assert_eq!(r.used(0), 0);
+        r.set_hidden(me, 0, 300);
+        assert!(!r.reserve(me, 0, 701, 1000), "hidden memory counts");
+        r.release(me, 0, 5);
+        assert_eq!(r.mine(me, 0), (0, 300), "release never wraps");
+    }
+
+    #[test]
+    fn attach_sees_the_same_counters_and_other_gpus_are_refused() {
+        let (d, r) = region();
+        let me = r.claim().unwrap();
+        assert!(r.reserve(me, 1, 77, u64::MAX));
+        let again = Region::open_or_create(&d.path().join("region"), &[U0, U1]).unwrap();
+        assert_eq!(again.used(1), 77);
+        let e = Region::open_or_create(&d.path().join("region"), &[U1])
+            .err()
+            .unwrap();
+        assert!(matches!(e, RegionError::InUse { .. }), "{e}");
+        assert!(e.to_string().contains("live processes"), "{e}");
+        r.unclaim(me);
+        drop(again);
+        drop(r);
+        // nobody uses it any more: a config naming other GPUs takes it over
+        let fresh = Region::open_or_create(&d.path().join("region"), &[U1]).unwrap();
+        assert_eq!(fresh.num_gpus(), 1);
+        assert_eq!(fresh.used(0), 0);
+    }
+
+    #[test]
+    fn garbage_file_is_reported() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("r");
+        std::fs::write(&p, vec![7u8; REGION_SIZE]).unwrap();
+        let e = Region::open_or_create(&p, &[U0]).err().unwrap().to_string();
+        assert!(
+            e.contains("not a usable vcuda region") && e.contains("bad magic"),
+            "{e}"
+        );
+        std::fs::write(&p, b"short").unwrap();
+        assert!(Region::open_or_create(&p, &[U0]).is_err());
+    }
+
+    #[test]
+    fn a_dead_process_is_reclaimed() {
+        let (d, r) = region();
+        let path = d.path().join("region");
+        // SAFETY: the child only claims a slot, reserves and _exits; no locks are shared
+        // with the parent's threads in between.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            let r2 = Region::open_or_create(&path, &[U0, U1]).unwrap();
+            let me = r2.claim().unwrap();
+            r2.reserve(me, 0, 5000, u64::MAX);
+            // SAFETY: terminate the child at once, as a kill would.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(child, &mut status, 0) };
+        assert_eq!(r.used(0), 5000);
+        let me = r.claim().unwrap();
+        assert_eq!(r.reclaim_dead(true), 1);
+        assert_eq!(r.used(0), 0);
+        assert!(r.owns(me));
+        assert_eq!(r.reclaim_dead(true), 0, "we are alive");
+    }
+
+    /// Many threads reserving and releasing at random never hold more than the limit,
+    /// counted by a shadow counter that only successful reservations increase.
+    #[test]
+    fn concurrent_reservations_never_overshoot() {
+        let (_d, r) = region();
+        let r = Arc::new(r);
+        let held = Arc::new(AtomicI64::new(0));
+        let limit = 1_000_000u64;
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let (r, held) = (r.clone(), held.clone());
+                std::thread::spawn(move || {
+                    let me = r.claim().unwrap();
+                    let mut mine = Vec::new();
+                    let mut x = 0x9E37_79B9u64 ^ t;
+                    for _ in 0..20_000 {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        if !x.is_multiple_of(3) || mine.is_empty() {
+                            let n = 1 + x % 200_000;
+                            if r.reserve(me, 0, n, limit) {
+                                let now = held.fetch_add(n as i64, SeqCst) + n as i64;
+                                assert!(now as u64 <= limit, "held {now} > limit");
+                                mine.push(n);
+                            }
+                        } else {
+                            let n = mine.swap_remove((x as usize / 3) % mine.len());
+                            held.fetch_sub(n as i64, SeqCst);
+                            r.release(me, 0, n);
+                        }
+                    }
+                    for n in mine {
+                        held.fetch_sub(n as i64, SeqCst);
+                        r.release(me, 0, n);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(r.used(0), 0);
+    }
+
+    #[test]
+    fn start_time_is_read() {
+        assert!(proc_start_time(std::process::id()).is_some());
+        assert!(proc_start_time(u32::MAX - 1).is_none());
+    }
+}
