@@ -18,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 LIB = ROOT / "target" / "gpusim" / "lib"
 BIN = ROOT / "target" / "gpusim" / "bin"
 GPUSIM = BIN / "gpusim"
+VCUDA_LIB = ROOT / "target" / "release" / "libvcuda.so"
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -44,7 +45,7 @@ def nvml_include_dir():
 
 @pytest.fixture(scope="session", autouse=True)
 def gpusim_built():
-    for f in (LIB / "libcuda.so.1", LIB / "libnvidia-ml.so.1", GPUSIM):
+    for f in (LIB / "libcuda.so.1", LIB / "libnvidia-ml.so.1", GPUSIM, VCUDA_LIB):
         if not f.exists():
             pytest.exit(f"{f} is missing: run scripts/build-gpusim first (scripts/test does)", returncode=2)
 
@@ -94,12 +95,60 @@ class Sim:
     def python(self, code, *args, **kw):
         return self.run([sys.executable, "-c", code, *args], **kw)
 
+    def container(self, quotas_mib, gpus=None, name="c0", core=100, preload=True):
+        """A vcuda container on these GPUs: writes its config (and names its region) and
+        returns an environment running programs inside it (libvcuda preloaded).
+
+        quotas_mib: one quota per GPU; gpus: their UUIDs (default: the first GPUs of the
+        current gpusim config, in order)."""
+        if isinstance(quotas_mib, int):
+            quotas_mib = [quotas_mib]
+        if gpus is None:
+            gpus = [g["uuid"] for g in self.status()["gpus"]][: len(quotas_mib)]
+        d = self.dir / name
+        d.mkdir(exist_ok=True)
+        lines = ["version = 1", f'region = "{d / "region"}"', ""]
+        for uuid, q in zip(gpus, quotas_mib):
+            lines += ["[[gpu]]", f'uuid = "{uuid}"', f"memory_mib = {q}", f"core = {core}", ""]
+        (d / "vcuda.toml").write_text("\n".join(lines))
+        env = dict(self.env)
+        env["VCUDA_CONFIG"] = str(d / "vcuda.toml")
+        if preload:
+            env["LD_PRELOAD"] = str(VCUDA_LIB)
+        return Container(self, d, env)
+
     def status(self):
         """`gpusim status --json`, parsed: the ground truth."""
         return json.loads(self.run([GPUSIM, "status", "--json"]).stdout)
 
     def gpusim(self, *args, **kw):
         return self.run([GPUSIM, *args], **kw)
+
+
+class Container:
+    """Programs run with a container's environment (see Sim.container)."""
+
+    def __init__(self, sim, directory, env):
+        self.sim = sim
+        self.dir = directory
+        self.env = env
+        self.config = directory / "vcuda.toml"
+        self.region = directory / "region"
+
+    def run(self, args, check=True, timeout=120, **kw):
+        p = subprocess.run([str(a) for a in args], env=self.env, capture_output=True, text=True, timeout=timeout, **kw)
+        if check and p.returncode != 0:
+            raise AssertionError(f"{args} exited {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
+        return p
+
+    def popen(self, args, **kw):
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        kw.setdefault("text", True)
+        return subprocess.Popen([str(a) for a in args], env=self.env, **kw)
+
+    def python(self, code, *args, **kw):
+        return self.run([sys.executable, "-c", code, *args], **kw)
 
 
 @pytest.fixture

@@ -1,0 +1,529 @@
+//! `cuInit` (which GPUs the driver shows), and the memory no allocation call shows:
+//! contexts, modules and libraries, `cuCtxSetLimit`. That memory is measured from what the
+//! driver reports for this process (NVML's per-process figure, less what this process has
+//! counted through allocation calls) right after the call, and on the sweep. Before a context
+//! or module is made, the cost last measured for one is reserved, so making one cannot push
+//! the container over its quota; if it still would, the new context or module is destroyed
+//! again and the call fails with `CUDA_ERROR_OUT_OF_MEMORY`.
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::atomic::Ordering::Relaxed;
+
+use crate::ffi::*;
+use crate::init::{cuda, Vcuda};
+use crate::log::{log, DEBUG};
+
+hooks! {
+    Cuda fn cuInit(flags: c_uint) -> CUresult => init;
+    Cuda fn cuCtxCreate(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create;
+    Cuda fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create_v2;
+    Cuda fn cuCtxCreate_v3(pctx: *mut CUcontext, params: *mut c_void, num_params: c_int, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create_v3;
+    Cuda fn cuCtxCreate_v4(pctx: *mut CUcontext, params: *mut c_void, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create_v4;
+    Cuda fn cuCtxDestroy(ctx: CUcontext) -> CUresult => ctx_destroy;
+    Cuda fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult => ctx_destroy_v2;
+    Cuda fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult => primary_retain;
+    Cuda fn cuDevicePrimaryCtxRelease(dev: CUdevice) -> CUresult => primary_release;
+    Cuda fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult => primary_release_v2;
+    Cuda fn cuDevicePrimaryCtxReset(dev: CUdevice) -> CUresult => primary_reset;
+    Cuda fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult => primary_reset_v2;
+    Cuda fn cuCtxSetLimit(limit: u32, value: usize) -> CUresult => set_limit;
+    Cuda fn cuModuleLoad(module: *mut CUmodule, fname: *const c_char) -> CUresult => module_load;
+    Cuda fn cuModuleLoadData(module: *mut CUmodule, image: *const c_void) -> CUresult => module_load_data;
+    Cuda fn cuModuleLoadDataEx(module: *mut CUmodule, image: *const c_void, n: c_uint, options: *mut u32, values: *mut *mut c_void) -> CUresult => module_load_data_ex;
+    Cuda fn cuModuleLoadFatBinary(module: *mut CUmodule, fat: *const c_void) -> CUresult => module_load_fatbin;
+    Cuda fn cuModuleUnload(module: CUmodule) -> CUresult => module_unload;
+    Cuda fn cuLibraryLoadData(lib: *mut CUlibrary, code: *const c_void, jo: *mut u32, jv: *mut *mut c_void, nj: c_uint, lo: *mut u32, lv: *mut *mut c_void, nl: c_uint) -> CUresult => library_load_data;
+    Cuda fn cuLibraryLoadFromFile(lib: *mut CUlibrary, fname: *const c_char, jo: *mut u32, jv: *mut *mut c_void, nj: c_uint, lo: *mut u32, lv: *mut *mut c_void, nl: c_uint) -> CUresult => library_load_file;
+    Cuda fn cuLibraryUnload(lib: CUlibrary) -> CUresult => library_unload;
+}
+
+const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
+
+/// The pid the driver knows this process by (the manager tells us the host pid when
+/// namespaces differ; standalone, ours).
+fn driver_pid(v: &Vcuda) -> u32 {
+    let me = v.me();
+    let host = v.region.slots()[me.index as usize].host_pid.load(Relaxed);
+    if host != 0 {
+        host
+    } else {
+        std::process::id()
+    }
+}
+
+/// What the driver charges this process on `dev`, from NVML.
+fn driver_used(v: &Vcuda, dev: usize) -> Option<u64> {
+    let handle = crate::nvml::real_handle(v, dev)?;
+    let pid = driver_pid(v);
+    let mut buf = vec![nvmlProcessInfo_t::default(); 64];
+    for _ in 0..4 {
+        let mut n = buf.len() as c_uint;
+        let rc = match crate::drv::ext().nvmlDeviceGetComputeRunningProcesses_v3 {
+            Some(_) => ext!(
+                NVML_ERROR_FUNCTION_NOT_FOUND,
+                nvmlDeviceGetComputeRunningProcesses_v3(
+                    handle as nvmlDevice_t,
+                    &mut n,
+                    buf.as_mut_ptr()
+                )
+            ),
+            None => ext!(
+                NVML_ERROR_FUNCTION_NOT_FOUND,
+                nvmlDeviceGetComputeRunningProcesses_v2(
+                    handle as nvmlDevice_t,
+                    &mut n,
+                    buf.as_mut_ptr()
+                )
+            ),
+        };
+        match rc {
+            NVML_SUCCESS => {
+                return buf[..n as usize]
+                    .iter()
+                    .find(|p| p.pid == pid)
+                    .map(|p| p.used_gpu_memory)
+            }
+            NVML_ERROR_INSUFFICIENT_SIZE => {
+                buf.resize(n as usize + 16, nvmlProcessInfo_t::default())
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// Set this process's hidden memory on `dev` to what the driver charges beyond the
+/// allocations it counted, less `pending` bytes it holds reserved for a call in flight.
+/// Returns (before, after).
+fn measure_hidden(v: &Vcuda, dev: usize, pending: u64) -> Option<(u64, u64)> {
+    let used = driver_used(v, dev)?;
+    let me = v.me();
+    let (api, _) = v.region.mine(me, dev);
+    let hidden = used.saturating_sub(api.saturating_sub(pending));
+    let before = v.region.set_hidden(me, dev, hidden);
+    Some((before, hidden))
+}
+
+/// Periodic and after-the-fact measurement of hidden memory on `dev`.
+pub fn reconcile(v: &Vcuda, dev: usize) {
+    measure_hidden(v, dev, 0);
+}
+
+fn reconcile_all(v: &Vcuda) {
+    for d in 0..v.limits.len() {
+        reconcile(v, d);
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Cost {
+    Context,
+    Module,
+}
+
+/// Run `make` (which creates a context or loads a module on `dev`), with the last measured
+/// cost of one held in reserve; measure its real cost; undo with `undo` and fail if the
+/// container ends up over its quota.
+fn costed(
+    v: &Vcuda,
+    dev: usize,
+    what: Cost,
+    make: impl FnOnce() -> CUresult,
+    undo: impl FnOnce(),
+) -> CUresult {
+    let learned = match what {
+        Cost::Context => &v.region.header().ctx_cost[dev],
+        Cost::Module => &v.region.header().module_cost[dev],
+    };
+    let est = learned.load(Relaxed);
+    if est > 0 && !v.reserve(dev, est) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let free_before = real_free();
+    let rc = make();
+    if rc != CUDA_SUCCESS {
+        v.release(dev, est);
+        return rc;
+    }
+    // Count the new memory before letting go of the reservation, never less than both.
+    let cost = match measure_hidden(v, dev, est) {
+        Some((before, after)) => after.saturating_sub(before),
+        None => {
+            // No per-process figure from NVML: the device's free memory before and after.
+            let c = free_before
+                .zip(real_free())
+                .map_or(est, |(b, a)| b.saturating_sub(a));
+            let me = v.me();
+            let (_, h) = v.region.mine(me, dev);
+            v.region.set_hidden(me, dev, h + c);
+            c
+        }
+    };
+    v.release(dev, est);
+    if cost > 0 {
+        learned.fetch_max(cost, Relaxed);
+    }
+    let used = v.region.used(dev);
+    log!(
+        DEBUG,
+        "{} cost {cost} bytes on GPU {dev}; container uses {used} of {}",
+        match what {
+            Cost::Context => "context",
+            Cost::Module => "module",
+        },
+        v.limit(dev)
+    );
+    if used > v.limit(dev) {
+        undo();
+        reconcile(v, dev);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUDA_SUCCESS
+}
+
+fn real_free() -> Option<u64> {
+    let (mut f, mut t) = (0usize, 0usize);
+    (ext!(MISSING, cuMemGetInfo_v2(&mut f, &mut t)) == CUDA_SUCCESS).then_some(f as u64)
+}
+
+// ---- cuInit --------------------------------------------------------------------------------
+
+unsafe fn init(flags: c_uint) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    crate::init::restrict_visible_devices(&v.cfg);
+    let rc = forward!(MISSING, cuInit(flags));
+    if rc != CUDA_SUCCESS {
+        return rc;
+    }
+    let mut n: c_int = 0;
+    if ext!(MISSING, cuDeviceGetCount(&mut n)) != CUDA_SUCCESS {
+        return rc;
+    }
+    let mut uuids = Vec::new();
+    for i in 0..n {
+        let mut u = CUuuid { bytes: [0; 16] };
+        let r = match crate::drv::ext().cuDeviceGetUuid_v2 {
+            Some(_) => ext!(MISSING, cuDeviceGetUuid_v2(&mut u, i)),
+            None => ext!(MISSING, cuDeviceGetUuid(&mut u, i)),
+        };
+        if r != CUDA_SUCCESS {
+            return r;
+        }
+        uuids.push(u.bytes);
+    }
+    match v.set_visible(&uuids) {
+        Ok(()) => CUDA_SUCCESS,
+        Err(msg) => {
+            crate::log::line(&msg);
+            CUDA_ERROR_NOT_PERMITTED
+        }
+    }
+}
+
+// ---- contexts ------------------------------------------------------------------------------
+
+fn create_common(dev: CUdevice, pctx: *mut CUcontext, make: impl FnOnce() -> CUresult) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let Some(d) = v.dev_of_ordinal(dev) else {
+        return make();
+    };
+    costed(v, d, Cost::Context, make, || {
+        // SAFETY: the driver wrote the new context to *pctx.
+        let ctx = unsafe { *pctx };
+        forward!(MISSING, cuCtxDestroy_v2(ctx));
+    })
+}
+
+unsafe fn ctx_create(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
+    create_common(dev, pctx, || {
+        forward!(MISSING, cuCtxCreate(pctx, flags, dev))
+    })
+}
+
+unsafe fn ctx_create_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
+    create_common(dev, pctx, || {
+        forward!(MISSING, cuCtxCreate_v2(pctx, flags, dev))
+    })
+}
+
+unsafe fn ctx_create_v3(
+    pctx: *mut CUcontext,
+    params: *mut c_void,
+    num_params: c_int,
+    flags: c_uint,
+    dev: CUdevice,
+) -> CUresult {
+    create_common(dev, pctx, || {
+        forward!(
+            MISSING,
+            cuCtxCreate_v3(pctx, params, num_params, flags, dev)
+        )
+    })
+}
+
+unsafe fn ctx_create_v4(
+    pctx: *mut CUcontext,
+    params: *mut c_void,
+    flags: c_uint,
+    dev: CUdevice,
+) -> CUresult {
+    create_common(dev, pctx, || {
+        forward!(MISSING, cuCtxCreate_v4(pctx, params, flags, dev))
+    })
+}
+
+/// After a context went away (with everything allocated in it): forget the allocations the
+/// driver freed with it and re-measure hidden memory.
+fn after_teardown(v: &Vcuda) {
+    for (ptr, rec) in v.allocs.entries() {
+        let mut size: usize = 0;
+        let alive = ext!(
+            MISSING,
+            cuPointerGetAttribute(
+                (&mut size as *mut usize).cast(),
+                CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                ptr
+            )
+        ) == CUDA_SUCCESS;
+        if !alive && v.allocs.remove(ptr).is_some() && rec.kind == crate::table::Kind::Reserved {
+            v.release(rec.dev as usize, rec.size);
+        }
+    }
+    let arrays: Vec<(usize, (u64, usize))> =
+        v.objs.lock().arrays.iter().map(|(&k, &e)| (k, e)).collect();
+    for (a, (bytes, dev)) in arrays {
+        let mut d = CUDA_ARRAY_DESCRIPTOR {
+            width: 0,
+            height: 0,
+            format: 0,
+            num_channels: 0,
+        };
+        // Mipmapped arrays have no descriptor query; keep them (their context is rarely reset).
+        if ext!(MISSING, cuArrayGetDescriptor_v2(&mut d, a as CUarray)) == 400
+            && v.objs.lock().arrays.remove(&a).is_some()
+        {
+            v.release(dev, bytes);
+        }
+    }
+    crate::memory::refresh_pools(v);
+    reconcile_all(v);
+}
+
+fn teardown(rc: CUresult) -> CUresult {
+    if rc == CUDA_SUCCESS {
+        if let Ok(v) = cuda() {
+            after_teardown(v);
+        }
+    }
+    rc
+}
+
+unsafe fn ctx_destroy(ctx: CUcontext) -> CUresult {
+    teardown(forward!(MISSING, cuCtxDestroy(ctx)))
+}
+
+unsafe fn ctx_destroy_v2(ctx: CUcontext) -> CUresult {
+    teardown(forward!(MISSING, cuCtxDestroy_v2(ctx)))
+}
+
+unsafe fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    let (mut flags, mut active): (c_uint, c_int) = (0, 0);
+    let known = ext!(
+        MISSING,
+        cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active)
+    ) == CUDA_SUCCESS;
+    if known && active != 0 {
+        return forward!(MISSING, cuDevicePrimaryCtxRetain(pctx, dev));
+    }
+    create_common(dev, pctx, || {
+        forward!(MISSING, cuDevicePrimaryCtxRetain(pctx, dev))
+    })
+}
+
+unsafe fn primary_release(dev: CUdevice) -> CUresult {
+    teardown(forward!(MISSING, cuDevicePrimaryCtxRelease(dev)))
+}
+
+unsafe fn primary_release_v2(dev: CUdevice) -> CUresult {
+    teardown(forward!(MISSING, cuDevicePrimaryCtxRelease_v2(dev)))
+}
+
+unsafe fn primary_reset(dev: CUdevice) -> CUresult {
+    teardown(forward!(MISSING, cuDevicePrimaryCtxReset(dev)))
+}
+
+unsafe fn primary_reset_v2(dev: CUdevice) -> CUresult {
+    teardown(forward!(MISSING, cuDevicePrimaryCtxReset_v2(dev)))
+}
+
+/// Limits (heap, printf FIFO, stack) make the driver reserve memory: measure it, and put the
+/// old value back if the container would end up over its quota.
+unsafe fn set_limit(limit: u32, value: usize) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let mut old: usize = 0;
+    let had_old = ext!(MISSING, cuCtxGetLimit(&mut old, limit)) == CUDA_SUCCESS;
+    let rc = forward!(MISSING, cuCtxSetLimit(limit, value));
+    if rc != CUDA_SUCCESS {
+        return rc;
+    }
+    let Some(dev) = v.current_dev() else {
+        return rc;
+    };
+    reconcile(v, dev);
+    if v.region.used(dev) > v.limit(dev) && had_old {
+        forward!(MISSING, cuCtxSetLimit(limit, old));
+        reconcile(v, dev);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    rc
+}
+
+// ---- modules and libraries -----------------------------------------------------------------
+
+fn load_common(
+    out: *mut c_void,
+    make: impl FnOnce() -> CUresult,
+    undo: impl FnOnce(*mut c_void),
+) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let Some(dev) = v.current_dev() else {
+        return make();
+    };
+    costed(v, dev, Cost::Module, make, || {
+        // SAFETY: the driver wrote the new module/library handle to *out.
+        undo(unsafe { *(out as *mut *mut c_void) })
+    })
+}
+
+unsafe fn module_load(module: *mut CUmodule, fname: *const c_char) -> CUresult {
+    load_common(
+        module.cast(),
+        || forward!(MISSING, cuModuleLoad(module, fname)),
+        |m| {
+            forward!(MISSING, cuModuleUnload(m));
+        },
+    )
+}
+
+unsafe fn module_load_data(module: *mut CUmodule, image: *const c_void) -> CUresult {
+    load_common(
+        module.cast(),
+        || forward!(MISSING, cuModuleLoadData(module, image)),
+        |m| {
+            forward!(MISSING, cuModuleUnload(m));
+        },
+    )
+}
+
+unsafe fn module_load_data_ex(
+    module: *mut CUmodule,
+    image: *const c_void,
+    n: c_uint,
+    options: *mut u32,
+    values: *mut *mut c_void,
+) -> CUresult {
+    load_common(
+        module.cast(),
+        || {
+            forward!(
+                MISSING,
+                cuModuleLoadDataEx(module, image, n, options, values)
+            )
+        },
+        |m| {
+            forward!(MISSING, cuModuleUnload(m));
+        },
+    )
+}
+
+unsafe fn module_load_fatbin(module: *mut CUmodule, fat: *const c_void) -> CUresult {
+    load_common(
+        module.cast(),
+        || forward!(MISSING, cuModuleLoadFatBinary(module, fat)),
+        |m| {
+            forward!(MISSING, cuModuleUnload(m));
+        },
+    )
+}
+
+unsafe fn module_unload(module: CUmodule) -> CUresult {
+    let rc = forward!(MISSING, cuModuleUnload(module));
+    if rc == CUDA_SUCCESS {
+        if let Ok(v) = cuda() {
+            reconcile_all(v);
+        }
+    }
+    rc
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn library_load_data(
+    lib: *mut CUlibrary,
+    code: *const c_void,
+    jo: *mut u32,
+    jv: *mut *mut c_void,
+    nj: c_uint,
+    lo: *mut u32,
+    lv: *mut *mut c_void,
+    nl: c_uint,
+) -> CUresult {
+    load_common(
+        lib.cast(),
+        || {
+            forward!(
+                MISSING,
+                cuLibraryLoadData(lib, code, jo, jv, nj, lo, lv, nl)
+            )
+        },
+        |l| {
+            forward!(MISSING, cuLibraryUnload(l));
+        },
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn library_load_file(
+    lib: *mut CUlibrary,
+    fname: *const c_char,
+    jo: *mut u32,
+    jv: *mut *mut c_void,
+    nj: c_uint,
+    lo: *mut u32,
+    lv: *mut *mut c_void,
+    nl: c_uint,
+) -> CUresult {
+    load_common(
+        lib.cast(),
+        || {
+            forward!(
+                MISSING,
+                cuLibraryLoadFromFile(lib, fname, jo, jv, nj, lo, lv, nl)
+            )
+        },
+        |l| {
+            forward!(MISSING, cuLibraryUnload(l));
+        },
+    )
+}
+
+unsafe fn library_unload(lib: CUlibrary) -> CUresult {
+    let rc = forward!(MISSING, cuLibraryUnload(lib));
+    if rc == CUDA_SUCCESS {
+        if let Ok(v) = cuda() {
+            reconcile_all(v);
+        }
+    }
+    rc
+}

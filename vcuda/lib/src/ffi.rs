@@ -1,0 +1,221 @@
+//! The CUDA driver and NVML types libvcuda's wrappers use, as `cuda.h` (12.9 / 13.x) and
+//! `nvml.h` declare them (sizes pinned by tests), and the panic guard every export runs
+//! under.
+
+#![allow(non_camel_case_types, dead_code)]
+
+use std::ffi::c_void;
+use std::panic::AssertUnwindSafe;
+
+pub type CUresult = u32;
+pub type nvmlReturn_t = u32;
+pub type CUdevice = i32;
+pub type CUdeviceptr = u64;
+pub type CUdeviceptr_v1 = u32;
+pub type CUcontext = *mut c_void;
+pub type CUmodule = *mut c_void;
+pub type CUlibrary = *mut c_void;
+pub type CUstream = *mut c_void;
+pub type CUarray = *mut c_void;
+pub type CUmipmappedArray = *mut c_void;
+pub type CUmemoryPool = *mut c_void;
+pub type CUgraph = *mut c_void;
+pub type CUgraphNode = *mut c_void;
+pub type CUgraphExec = *mut c_void;
+pub type CUmemGenericAllocationHandle = u64;
+pub type nvmlDevice_t = *mut c_void;
+
+pub const CUDA_SUCCESS: CUresult = 0;
+pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
+pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
+pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
+pub const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
+pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
+pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
+
+pub const NVML_SUCCESS: nvmlReturn_t = 0;
+pub const NVML_ERROR_UNINITIALIZED: nvmlReturn_t = 1;
+pub const NVML_ERROR_INVALID_ARGUMENT: nvmlReturn_t = 2;
+pub const NVML_ERROR_NOT_SUPPORTED: nvmlReturn_t = 3;
+pub const NVML_ERROR_NO_PERMISSION: nvmlReturn_t = 4;
+pub const NVML_ERROR_NOT_FOUND: nvmlReturn_t = 6;
+pub const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
+pub const NVML_ERROR_FUNCTION_NOT_FOUND: nvmlReturn_t = 13;
+pub const NVML_ERROR_UNKNOWN: nvmlReturn_t = 999;
+
+/// A panic in a wrapper (a bug in libvcuda) must not unwind into C: both APIs' "unknown
+/// error" is 999, which is what the caller gets instead.
+pub const PANIC_RESULT: u32 = 999;
+
+/// Run a wrapper body; a panic becomes [`PANIC_RESULT`].
+#[inline(always)]
+pub fn catch(f: impl FnOnce() -> u32) -> u32 {
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(_) => PANIC_RESULT,
+    }
+}
+
+pub const CU_MEM_LOCATION_TYPE_DEVICE: u32 = 1;
+pub const CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: u32 = 5;
+pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: u32 = 2;
+pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: u32 = 12;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUuuid {
+    pub bytes: [u8; 16],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUmemLocation {
+    pub kind: u32,
+    pub id: i32,
+}
+
+#[repr(C)]
+pub struct CUmemAllocationProp {
+    pub kind: u32,
+    pub requested_handle_types: u32,
+    pub location: CUmemLocation,
+    pub win32_handle_meta_data: *mut c_void,
+    pub alloc_flags: [u8; 8],
+}
+
+#[repr(C)]
+pub struct CUmemPoolProps {
+    pub alloc_type: u32,
+    pub handle_types: u32,
+    pub location: CUmemLocation,
+    pub win32_security_attributes: *mut c_void,
+    pub max_size: usize,
+    pub usage: u16,
+    pub reserved: [u8; 54],
+}
+
+#[repr(C)]
+pub struct CUDA_ARRAY_DESCRIPTOR {
+    pub width: usize,
+    pub height: usize,
+    pub format: u32,
+    pub num_channels: u32,
+}
+
+#[repr(C)]
+pub struct CUDA_ARRAY_DESCRIPTOR_v1 {
+    pub width: u32,
+    pub height: u32,
+    pub format: u32,
+    pub num_channels: u32,
+}
+
+#[repr(C)]
+pub struct CUDA_ARRAY3D_DESCRIPTOR {
+    pub width: usize,
+    pub height: usize,
+    pub depth: usize,
+    pub format: u32,
+    pub num_channels: u32,
+    pub flags: u32,
+}
+
+#[repr(C)]
+pub struct CUDA_ARRAY3D_DESCRIPTOR_v1 {
+    pub width: u32,
+    pub height: u32,
+    pub depth: u32,
+    pub format: u32,
+    pub num_channels: u32,
+    pub flags: u32,
+}
+
+#[repr(C)]
+#[derive(Default)]
+pub struct CUDA_ARRAY_MEMORY_REQUIREMENTS {
+    pub size: usize,
+    pub alignment: usize,
+    pub reserved: [u32; 4],
+}
+
+#[repr(C)]
+pub struct CUDA_MEM_ALLOC_NODE_PARAMS {
+    pub pool_props: CUmemPoolProps,
+    pub access_descs: *const c_void,
+    pub access_desc_count: usize,
+    pub bytesize: usize,
+    pub dptr: CUdeviceptr,
+}
+
+/// `CUgraphNodeParams`: the node type, then a 232-byte union at offset 16.
+#[repr(C)]
+pub struct CUgraphNodeParams {
+    pub kind: u32,
+    pub reserved0: [i32; 3],
+    pub union: [u64; 29],
+    pub reserved2: i64,
+}
+
+pub const CU_GRAPH_NODE_TYPE_MEM_ALLOC: u32 = 10;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct nvmlMemory_t {
+    pub total: u64,
+    pub free: u64,
+    pub used: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct nvmlMemory_v2_t {
+    pub version: u32,
+    pub total: u64,
+    pub reserved: u64,
+    pub free: u64,
+    pub used: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct nvmlProcessInfo_v1_t {
+    pub pid: u32,
+    pub used_gpu_memory: u64,
+}
+
+/// `nvmlProcessInfo_v2_t` and `nvmlProcessInfo_t` (v3) share this layout.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct nvmlProcessInfo_t {
+    pub pid: u32,
+    pub used_gpu_memory: u64,
+    pub gpu_instance_id: u32,
+    pub compute_instance_id: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+
+    /// Sizes from a C program compiled against cuda.h 12.9 and nvml.h (x86_64).
+    #[test]
+    fn layouts_match_the_headers() {
+        assert_eq!(size_of::<CUuuid>(), 16);
+        assert_eq!(size_of::<CUmemAllocationProp>(), 32);
+        assert_eq!(offset_of!(CUmemAllocationProp, location), 8);
+        assert_eq!(size_of::<CUmemPoolProps>(), 88);
+        assert_eq!(size_of::<CUDA_ARRAY_DESCRIPTOR>(), 24);
+        assert_eq!(size_of::<CUDA_ARRAY3D_DESCRIPTOR>(), 40);
+        assert_eq!(size_of::<CUDA_ARRAY_MEMORY_REQUIREMENTS>(), 32);
+        assert_eq!(size_of::<CUDA_MEM_ALLOC_NODE_PARAMS>(), 120);
+        assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, dptr), 112);
+        assert_eq!(size_of::<CUgraphNodeParams>(), 256);
+        assert_eq!(size_of::<nvmlMemory_t>(), 24);
+        assert_eq!(size_of::<nvmlMemory_v2_t>(), 40);
+        assert_eq!(size_of::<nvmlProcessInfo_v1_t>(), 16);
+        assert_eq!(size_of::<nvmlProcessInfo_t>(), 24);
+    }
+}

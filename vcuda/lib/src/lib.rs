@@ -1,0 +1,149 @@
+//! libvcuda.so: loaded into every CUDA process of a container (LD_PRELOAD or
+//! `/etc/ld.so.preload`), it wraps the CUDA driver API and NVML to hold the container to its
+//! device-memory quota and to show it a GPU the size of that quota.
+//!
+//! Code map (ARCHITECTURE.md has the invariants):
+//! - [`hooks`] + the `hooks!` macro: each hook declared once — exported symbol, typed pointer
+//!   to the real function, and the entry `dlsym` / `cuGetProcAddress` substitution uses.
+//! - [`dlsym`]: the `dlsym` hook (a naked trampoline that tail-jumps to the real `dlsym`, so
+//!   `RTLD_NEXT` keeps its caller) and the loading of the real libraries.
+//! - [`init`]: the process-wide state, started on the first CUDA/NVML call; fails closed.
+//! - [`table`]: the lock-free pointer → size table of live allocations.
+//! - [`memory`], [`context`], [`info`], [`nvml`], [`procaddr`]: the wrappers.
+//! - [`capi`]: `vcuda_*`, the library's own C API (`include/vcuda.h`, cbindgen).
+
+#![allow(non_snake_case)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+/// Declare hooks. Each `Lib fn name(args) -> Ret => path::to::impl;` becomes
+/// - `#[no_mangle] pub unsafe extern "C" fn name(args) -> Ret`, calling `impl(args)` under
+///   [`ffi::catch`] (a panic returns 999, "unknown error", never unwinds into C);
+/// - a field `Real::name` holding the real library's function of that name;
+/// - an entry in this module's `HOOKS`, which `dlsym` and `cuGetProcAddress` substitute.
+macro_rules! hooks {
+    ($( $(#[$m:meta])* $lib:ident fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) -> $ret:ty => $imp:path; )*) => {
+        $(
+            $(#[$m])*
+            /// # Safety
+            /// Called from C with arguments as the official header documents them.
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn $name($($arg: $ty),*) -> $ret {
+                // SAFETY: the caller upholds the C API contract for these arguments, which is
+                // all the implementation relies on.
+                $crate::ffi::catch(move || unsafe { $imp($($arg),*) })
+            }
+        )*
+
+        /// The real library's functions the hooks of this module wrap.
+        #[allow(non_snake_case)]
+        pub(crate) struct Real {
+            $( pub $name: Option<unsafe extern "C" fn($($ty),*) -> $ret>, )*
+        }
+
+        pub(crate) static REAL: std::sync::OnceLock<Real> = std::sync::OnceLock::new();
+
+        /// The real functions (loaded by `init` before any wrapper forwards a call).
+        #[inline(always)]
+        #[allow(dead_code)]
+        pub(crate) fn real() -> &'static Real {
+            REAL.get().expect("libvcuda: real functions used before start-up")
+        }
+
+        /// Look this module's wrapped functions up in the real libraries.
+        #[allow(unused_variables)]
+        pub(crate) fn load_real(lookup: &dyn Fn($crate::hooks::Lib, &std::ffi::CStr) -> *mut std::ffi::c_void) {
+            let _ = REAL.set(Real {
+                $( $name: {
+                    let p = lookup($crate::hooks::Lib::$lib, $crate::hooks::cstr(concat!(stringify!($name), "\0")));
+                    if p.is_null() {
+                        None
+                    } else {
+                        // SAFETY: the real library's symbol of this name has exactly this
+                        // signature, the official header's (the ABI test checks ours).
+                        Some(unsafe { std::mem::transmute::<*mut std::ffi::c_void, unsafe extern "C" fn($($ty),*) -> $ret>(p) })
+                    }
+                }, )*
+            });
+        }
+
+        /// This module's hooks.
+        pub(crate) static HOOKS: &[$crate::hooks::Hook] = &[
+            $( $crate::hooks::Hook {
+                name: concat!(stringify!($name), "\0"),
+                lib: $crate::hooks::Lib::$lib,
+                wrapper: $name as *const (),
+            }, )*
+        ];
+    };
+}
+
+/// Call the real function of a hook, or return `$missing` when the real library lacks it.
+macro_rules! forward {
+    ($missing:expr, $name:ident ( $($arg:expr),* $(,)? )) => {
+        match real().$name {
+            // SAFETY: forwarding the caller's arguments unchanged to the real function of the
+            // same signature.
+            Some(f) => unsafe { f($($arg),*) },
+            None => $missing,
+        }
+    };
+}
+
+/// Declare real functions libvcuda calls for itself without wrapping them:
+/// `Lib fn name(types) -> Ret;` becomes a field of `Ext`, loaded at start-up, and
+/// `ext!(missing, name(args))` calls it (or yields `missing` if the library lacks it).
+macro_rules! externs {
+    ($( $lib:ident fn $name:ident ( $($ty:ty),* $(,)? ) -> $ret:ty; )*) => {
+        #[allow(non_snake_case, dead_code)]
+        pub(crate) struct Ext {
+            $( pub $name: Option<unsafe extern "C" fn($($ty),*) -> $ret>, )*
+        }
+
+        pub(crate) static EXT: std::sync::OnceLock<Ext> = std::sync::OnceLock::new();
+
+        #[inline(always)]
+        pub(crate) fn ext() -> &'static Ext {
+            EXT.get().expect("libvcuda: real functions used before start-up")
+        }
+
+        pub(crate) fn load_ext(lookup: &dyn Fn($crate::hooks::Lib, &std::ffi::CStr) -> *mut std::ffi::c_void) {
+            let _ = EXT.set(Ext {
+                $( $name: {
+                    let p = lookup($crate::hooks::Lib::$lib, $crate::hooks::cstr(concat!(stringify!($name), "\0")));
+                    if p.is_null() {
+                        None
+                    } else {
+                        // SAFETY: the real library's symbol of this name has this signature
+                        // (the official header's).
+                        Some(unsafe { std::mem::transmute::<*mut std::ffi::c_void, unsafe extern "C" fn($($ty),*) -> $ret>(p) })
+                    }
+                }, )*
+            });
+        }
+    };
+}
+
+/// Call a real function declared with `externs!`.
+macro_rules! ext {
+    ($missing:expr, $name:ident ( $($arg:expr),* $(,)? )) => {
+        match $crate::drv::ext().$name {
+            // SAFETY: the arguments are valid for the real function as its header documents.
+            Some(f) => unsafe { f($($arg),*) },
+            None => $missing,
+        }
+    };
+}
+
+pub mod capi;
+pub mod context;
+pub mod dlsym;
+pub mod drv;
+pub mod ffi;
+pub mod hooks;
+pub mod info;
+pub mod init;
+pub mod log;
+pub mod memory;
+pub mod nvml;
+pub mod procaddr;
+pub mod table;

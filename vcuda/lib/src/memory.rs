@@ -1,0 +1,1018 @@
+//! Every device-memory allocation entry point. The rule everywhere: reserve in the shared
+//! region *before* the driver call (refusing with `CUDA_ERROR_OUT_OF_MEMORY` when the
+//! container's total would pass its quota), roll back if the driver fails, release on free.
+//! Where the driver decides the size (pitch, arrays, pool growth) the reservation is an
+//! estimate trued up from what the driver reports right after; graph memory is only visible
+//! after a launch and is counted then.
+
+use std::ffi::{c_uint, c_void};
+
+use crate::ffi::*;
+use crate::init::{cuda, Vcuda, Vmm};
+use crate::table::{Kind, Rec};
+
+/// Granularity pools grow by (CUDA's allocation granularity).
+const POOL_GRANULE: u64 = 2 << 20;
+
+hooks! {
+    Cuda fn cuMemAlloc(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult => alloc_v1;
+    Cuda fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult => alloc_v2;
+    Cuda fn cuMemAllocPitch(dptr: *mut CUdeviceptr_v1, pitch: *mut c_uint, width: c_uint, height: c_uint, elem: c_uint) -> CUresult => pitch_v1;
+    Cuda fn cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: c_uint) -> CUresult => pitch_v2;
+    Cuda fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult => managed;
+    Cuda fn cuMemFree(dptr: CUdeviceptr_v1) -> CUresult => free_v1;
+    Cuda fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult => free_v2;
+    Cuda fn cuArrayCreate(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) -> CUresult => array_v1;
+    Cuda fn cuArrayCreate_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> CUresult => array_v2;
+    Cuda fn cuArray3DCreate(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_v1) -> CUresult => array3d_v1;
+    Cuda fn cuArray3DCreate_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) -> CUresult => array3d_v2;
+    Cuda fn cuArrayDestroy(handle: CUarray) -> CUresult => array_destroy;
+    Cuda fn cuMipmappedArrayCreate(handle: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: c_uint) -> CUresult => mipmap_create;
+    Cuda fn cuMipmappedArrayDestroy(handle: CUmipmappedArray) -> CUresult => mipmap_destroy;
+    Cuda fn cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: u64) -> CUresult => vmm_create;
+    Cuda fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult => vmm_release;
+    Cuda fn cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) -> CUresult => vmm_retain;
+    Cuda fn cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64) -> CUresult => vmm_map;
+    Cuda fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult => vmm_unmap;
+    Cuda fn cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> CUresult => alloc_async;
+    Cuda fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> CUresult => alloc_async_ptsz;
+    Cuda fn cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) -> CUresult => alloc_pool;
+    Cuda fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) -> CUresult => alloc_pool_ptsz;
+    Cuda fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) -> CUresult => free_async;
+    Cuda fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) -> CUresult => free_async_ptsz;
+    Cuda fn cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const CUmemPoolProps) -> CUresult => pool_create;
+    Cuda fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult => pool_destroy;
+    Cuda fn cuMemPoolTrimTo(pool: CUmemoryPool, keep: usize) -> CUresult => pool_trim;
+    Cuda fn cuGraphAddMemAllocNode(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, n: usize, params: *mut CUDA_MEM_ALLOC_NODE_PARAMS) -> CUresult => graph_alloc_node;
+    Cuda fn cuGraphAddNode(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, n: usize, params: *mut CUgraphNodeParams) -> CUresult => graph_add_node;
+    Cuda fn cuGraphAddNode_v2(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, edges: *const c_void, n: usize, params: *mut CUgraphNodeParams) -> CUresult => graph_add_node_v2;
+    Cuda fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_launch;
+    Cuda fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_launch_ptsz;
+    Cuda fn cuGraphUpload(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_upload;
+    Cuda fn cuGraphUpload_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_upload_ptsz;
+    Cuda fn cuDeviceGraphMemTrim(dev: CUdevice) -> CUresult => graph_trim;
+}
+
+const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
+
+/// Reserve `bytes` on the current context's GPU, run `call`, roll back on failure.
+/// `Ok(dev)` means the call succeeded with the reservation held.
+#[inline(always)]
+fn reserved_call(
+    v: &Vcuda,
+    bytes: u64,
+    call: impl FnOnce() -> CUresult,
+) -> Result<usize, CUresult> {
+    let Some(dev) = v.current_dev() else {
+        // No context: the driver refuses it; let it say so.
+        let rc = call();
+        return Err(if rc == CUDA_SUCCESS {
+            CUDA_ERROR_INVALID_CONTEXT
+        } else {
+            rc
+        });
+    };
+    if !v.reserve(dev, bytes) {
+        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    let rc = call();
+    if rc != CUDA_SUCCESS {
+        v.release(dev, bytes);
+        return Err(rc);
+    }
+    Ok(dev)
+}
+
+/// Bring a reservation of `est` to the driver's `actual` size. `false`: the extra did not
+/// fit (the caller frees the object and reports out of memory; `est` is already released).
+fn true_up(v: &Vcuda, dev: usize, est: u64, actual: u64) -> bool {
+    if actual > est {
+        if !v.reserve(dev, actual - est) {
+            v.release(dev, est);
+            return false;
+        }
+    } else {
+        v.release(dev, est - actual);
+    }
+    true
+}
+
+unsafe fn alloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if dptr.is_null() || bytesize == 0 {
+        return forward!(MISSING, cuMemAlloc_v2(dptr, bytesize));
+    }
+    match reserved_call(v, bytesize as u64, || {
+        forward!(MISSING, cuMemAlloc_v2(dptr, bytesize))
+    }) {
+        Ok(dev) => {
+            // SAFETY: the driver succeeded, so *dptr holds the new pointer.
+            v.allocs.insert(
+                unsafe { *dptr },
+                Rec {
+                    size: bytesize as u64,
+                    dev: dev as u8,
+                    kind: Kind::Reserved,
+                },
+            );
+            CUDA_SUCCESS
+        }
+        Err(e) => e,
+    }
+}
+
+unsafe fn alloc_v1(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if dptr.is_null() || bytesize == 0 {
+        return forward!(MISSING, cuMemAlloc(dptr, bytesize));
+    }
+    match reserved_call(v, u64::from(bytesize), || {
+        forward!(MISSING, cuMemAlloc(dptr, bytesize))
+    }) {
+        Ok(dev) => {
+            // SAFETY: the driver succeeded, so *dptr holds the new pointer.
+            v.allocs.insert(
+                u64::from(unsafe { *dptr }),
+                Rec {
+                    size: u64::from(bytesize),
+                    dev: dev as u8,
+                    kind: Kind::Reserved,
+                },
+            );
+            CUDA_SUCCESS
+        }
+        Err(e) => e,
+    }
+}
+
+unsafe fn managed(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if dptr.is_null() || bytesize == 0 {
+        return forward!(MISSING, cuMemAllocManaged(dptr, bytesize, flags));
+    }
+    // Managed memory may not be resident; the policy counts it against the current GPU.
+    match reserved_call(v, bytesize as u64, || {
+        forward!(MISSING, cuMemAllocManaged(dptr, bytesize, flags))
+    }) {
+        Ok(dev) => {
+            // SAFETY: the driver succeeded, so *dptr holds the new pointer.
+            v.allocs.insert(
+                unsafe { *dptr },
+                Rec {
+                    size: bytesize as u64,
+                    dev: dev as u8,
+                    kind: Kind::Reserved,
+                },
+            );
+            CUDA_SUCCESS
+        }
+        Err(e) => e,
+    }
+}
+
+/// Pitched allocations: the pitch is the driver's choice, so reserve the width rounded up to
+/// 512 bytes per row, then true up to `pitch × height`.
+fn pitch_common(
+    v: &Vcuda,
+    width: u64,
+    height: u64,
+    call: impl FnOnce() -> CUresult,
+    result: impl Fn() -> (u64, u64),
+    free: impl Fn(u64),
+) -> CUresult {
+    let est = width.div_ceil(512) * 512 * height;
+    match reserved_call(v, est, call) {
+        Ok(dev) => {
+            let (ptr, pitch) = result();
+            let actual = pitch * height;
+            if !true_up(v, dev, est, actual) {
+                free(ptr);
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            v.allocs.insert(
+                ptr,
+                Rec {
+                    size: actual,
+                    dev: dev as u8,
+                    kind: Kind::Reserved,
+                },
+            );
+            CUDA_SUCCESS
+        }
+        Err(e) => e,
+    }
+}
+
+unsafe fn pitch_v2(
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    elem: c_uint,
+) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if dptr.is_null() || pitch.is_null() || width == 0 || height == 0 {
+        return forward!(
+            MISSING,
+            cuMemAllocPitch_v2(dptr, pitch, width, height, elem)
+        );
+    }
+    pitch_common(
+        v,
+        width as u64,
+        height as u64,
+        || {
+            forward!(
+                MISSING,
+                cuMemAllocPitch_v2(dptr, pitch, width, height, elem)
+            )
+        },
+        // SAFETY: read after the driver wrote both outputs.
+        || unsafe { (*dptr, *pitch as u64) },
+        |p| {
+            forward!(MISSING, cuMemFree_v2(p));
+        },
+    )
+}
+
+unsafe fn pitch_v1(
+    dptr: *mut CUdeviceptr_v1,
+    pitch: *mut c_uint,
+    width: c_uint,
+    height: c_uint,
+    elem: c_uint,
+) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if dptr.is_null() || pitch.is_null() || width == 0 || height == 0 {
+        return forward!(MISSING, cuMemAllocPitch(dptr, pitch, width, height, elem));
+    }
+    pitch_common(
+        v,
+        u64::from(width),
+        u64::from(height),
+        || forward!(MISSING, cuMemAllocPitch(dptr, pitch, width, height, elem)),
+        // SAFETY: read after the driver wrote both outputs.
+        || unsafe { (u64::from(*dptr), u64::from(*pitch)) },
+        |p| {
+            forward!(MISSING, cuMemFree(p as CUdeviceptr_v1));
+        },
+    )
+}
+
+/// Free: forget the pointer first (so the driver cannot hand the same address to another
+/// thread before we have), free, then release what it reserved; put it back if the driver
+/// refuses.
+#[inline(always)]
+fn free_common(v: &Vcuda, ptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let rec = v.allocs.remove(ptr);
+    let rc = call();
+    match rec {
+        Some(r) if rc != CUDA_SUCCESS => v.allocs.insert(ptr, r),
+        Some(r) if r.kind == Kind::Reserved => v.release(r.dev as usize, r.size),
+        _ => {}
+    }
+    rc
+}
+
+unsafe fn free_v2(dptr: CUdeviceptr) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    free_common(v, dptr, || forward!(MISSING, cuMemFree_v2(dptr)))
+}
+
+unsafe fn free_v1(dptr: CUdeviceptr_v1) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    free_common(v, u64::from(dptr), || forward!(MISSING, cuMemFree(dptr)))
+}
+
+// ---- arrays ------------------------------------------------------------------------------
+
+/// Bytes per channel of an array format (`UNSIGNED_INT16` is 2 bytes, not 16).
+pub fn format_bytes(format: u32) -> u64 {
+    match format {
+        0x01 | 0x08 | 0xc0 | 0xc6 => 1,
+        0x02 | 0x09 | 0x10 | 0xc3 | 0xc9 | 0xc1 | 0xc7 => 2,
+        0x03 | 0x0a | 0x20 | 0x50 | 0xc2 | 0xc8 | 0xc4 | 0xca => 4,
+        0xc5 | 0xcb => 8,
+        _ => 4,
+    }
+}
+
+/// Estimated bytes of an array: the driver's figure replaces it after creation.
+pub fn array_estimate(w: u64, h: u64, d: u64, format: u32, channels: u32) -> u64 {
+    w.max(1) * h.max(1) * d.max(1) * format_bytes(format) * u64::from(channels.max(1))
+}
+
+fn array_common(
+    v: &Vcuda,
+    est: u64,
+    handle: *mut CUarray,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    match reserved_call(v, est, call) {
+        Ok(dev) => {
+            // SAFETY: the driver succeeded, so *handle is the new array.
+            let arr = unsafe { *handle };
+            let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+            let ord = v.ordinal_of(dev).unwrap_or(0);
+            let actual = if ext!(MISSING, cuArrayGetMemoryRequirements(&mut req, arr, ord))
+                == CUDA_SUCCESS
+                && req.size > 0
+            {
+                req.size as u64
+            } else {
+                est
+            };
+            if !true_up(v, dev, est, actual) {
+                forward!(MISSING, cuArrayDestroy(arr));
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            v.objs.lock().arrays.insert(arr as usize, (actual, dev));
+            CUDA_SUCCESS
+        }
+        Err(e) => e,
+    }
+}
+
+unsafe fn array_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if handle.is_null() || desc.is_null() {
+        return forward!(MISSING, cuArrayCreate_v2(handle, desc));
+    }
+    // SAFETY: a non-NULL descriptor the caller passed.
+    let d = unsafe { &*desc };
+    let est = array_estimate(d.width as u64, d.height as u64, 1, d.format, d.num_channels);
+    array_common(v, est, handle, || {
+        forward!(MISSING, cuArrayCreate_v2(handle, desc))
+    })
+}
+
+unsafe fn array_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if handle.is_null() || desc.is_null() {
+        return forward!(MISSING, cuArrayCreate(handle, desc));
+    }
+    // SAFETY: a non-NULL descriptor the caller passed.
+    let d = unsafe { &*desc };
+    let est = array_estimate(
+        u64::from(d.width),
+        u64::from(d.height),
+        1,
+        d.format,
+        d.num_channels,
+    );
+    array_common(v, est, handle, || {
+        forward!(MISSING, cuArrayCreate(handle, desc))
+    })
+}
+
+unsafe fn array3d_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if handle.is_null() || desc.is_null() {
+        return forward!(MISSING, cuArray3DCreate_v2(handle, desc));
+    }
+    // SAFETY: a non-NULL descriptor the caller passed.
+    let d = unsafe { &*desc };
+    let est = array_estimate(
+        d.width as u64,
+        d.height as u64,
+        d.depth as u64,
+        d.format,
+        d.num_channels,
+    );
+    array_common(v, est, handle, || {
+        forward!(MISSING, cuArray3DCreate_v2(handle, desc))
+    })
+}
+
+unsafe fn array3d_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_v1) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if handle.is_null() || desc.is_null() {
+        return forward!(MISSING, cuArray3DCreate(handle, desc));
+    }
+    // SAFETY: a non-NULL descriptor the caller passed.
+    let d = unsafe { &*desc };
+    let est = array_estimate(
+        u64::from(d.width),
+        u64::from(d.height),
+        u64::from(d.depth),
+        d.format,
+        d.num_channels,
+    );
+    array_common(v, est, handle, || {
+        forward!(MISSING, cuArray3DCreate(handle, desc))
+    })
+}
+
+fn forget_object(v: &Vcuda, key: usize) {
+    if let Some((bytes, dev)) = v.objs.lock().arrays.remove(&key) {
+        v.release(dev, bytes);
+    }
+}
+
+unsafe fn array_destroy(handle: CUarray) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let rc = forward!(MISSING, cuArrayDestroy(handle));
+    if rc == CUDA_SUCCESS {
+        forget_object(v, handle as usize);
+    }
+    rc
+}
+
+unsafe fn mipmap_create(
+    handle: *mut CUmipmappedArray,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+    levels: c_uint,
+) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    if handle.is_null() || desc.is_null() || levels == 0 {
+        return forward!(MISSING, cuMipmappedArrayCreate(handle, desc, levels));
+    }
+    // SAFETY: a non-NULL descriptor the caller passed.
+    let d = unsafe { &*desc };
+    let est: u64 = (0..levels.min(32))
+        .map(|l| {
+            let s = |x: usize| if x == 0 { 0 } else { ((x >> l).max(1)) as u64 };
+            array_estimate(
+                s(d.width),
+                s(d.height),
+                s(d.depth),
+                d.format,
+                d.num_channels,
+            )
+        })
+        .sum();
+    match reserved_call(v, est, || {
+        forward!(MISSING, cuMipmappedArrayCreate(handle, desc, levels))
+    }) {
+        Ok(dev) => {
+            // SAFETY: the driver succeeded, so *handle is the new mipmapped array.
+            let m = unsafe { *handle };
+            let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+            let ord = v.ordinal_of(dev).unwrap_or(0);
+            let actual = if ext!(
+                MISSING,
+                cuMipmappedArrayGetMemoryRequirements(&mut req, m, ord)
+            ) == CUDA_SUCCESS
+                && req.size > 0
+            {
+                req.size as u64
+            } else {
+                est
+            };
+            if !true_up(v, dev, est, actual) {
+                forward!(MISSING, cuMipmappedArrayDestroy(m));
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            v.objs.lock().arrays.insert(m as usize, (actual, dev));
+            CUDA_SUCCESS
+        }
+        Err(e) => e,
+    }
+}
+
+unsafe fn mipmap_destroy(handle: CUmipmappedArray) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let rc = forward!(MISSING, cuMipmappedArrayDestroy(handle));
+    if rc == CUDA_SUCCESS {
+        forget_object(v, handle as usize);
+    }
+    rc
+}
+
+// ---- virtual memory management -----------------------------------------------------------
+
+/// Free a VMM handle's quota once it is released and unmapped (as the driver frees it).
+fn vmm_settle(v: &Vcuda, handle: u64) {
+    let mut o = v.objs.lock();
+    if let Some(e) = o.vmm.get(&handle).copied() {
+        if e.refs == 0 && e.maps == 0 {
+            o.vmm.remove(&handle);
+            drop(o);
+            v.release(e.dev, e.bytes);
+        }
+    }
+}
+
+unsafe fn vmm_create(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    // SAFETY: a non-NULL property struct the caller passed.
+    let dev_ord = (!prop.is_null())
+        .then(|| unsafe { &(*prop).location })
+        .filter(|l| l.kind == CU_MEM_LOCATION_TYPE_DEVICE)
+        .map(|l| l.id);
+    // Host locations (HOST, HOST_NUMA, …) cost no device memory: not ours to count.
+    let dev = match dev_ord.and_then(|o| v.dev_of_ordinal(o)) {
+        Some(d) if !handle.is_null() && size > 0 => d,
+        _ => return forward!(MISSING, cuMemCreate(handle, size, prop, flags)),
+    };
+    if !v.reserve(dev, size as u64) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let rc = forward!(MISSING, cuMemCreate(handle, size, prop, flags));
+    if rc != CUDA_SUCCESS {
+        v.release(dev, size as u64);
+        return rc;
+    }
+    // SAFETY: the driver succeeded, so *handle is the new allocation handle.
+    let h = unsafe { *handle };
+    v.objs.lock().vmm.insert(
+        h,
+        Vmm {
+            bytes: size as u64,
+            dev,
+            refs: 1,
+            maps: 0,
+        },
+    );
+    rc
+}
+
+unsafe fn vmm_release(handle: CUmemGenericAllocationHandle) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let rc = forward!(MISSING, cuMemRelease(handle));
+    if rc == CUDA_SUCCESS {
+        if let Some(e) = v.objs.lock().vmm.get_mut(&handle) {
+            e.refs = e.refs.saturating_sub(1);
+        }
+        vmm_settle(v, handle);
+    }
+    rc
+}
+
+unsafe fn vmm_retain(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let rc = forward!(MISSING, cuMemRetainAllocationHandle(handle, addr));
+    if rc == CUDA_SUCCESS && !handle.is_null() {
+        // SAFETY: the driver wrote the handle.
+        let h = unsafe { *handle };
+        if let Some(e) = v.objs.lock().vmm.get_mut(&h) {
+            e.refs += 1;
+        }
+    }
+    rc
+}
+
+unsafe fn vmm_map(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: u64,
+) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let rc = forward!(MISSING, cuMemMap(ptr, size, offset, handle, flags));
+    if rc == CUDA_SUCCESS {
+        let mut o = v.objs.lock();
+        if let Some(e) = o.vmm.get_mut(&handle) {
+            e.maps += 1;
+            o.mappings.insert(ptr, (size as u64, handle));
+        }
+    }
+    rc
+}
+
+unsafe fn vmm_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let rc = forward!(MISSING, cuMemUnmap(ptr, size));
+    if rc == CUDA_SUCCESS {
+        let end = ptr.saturating_add(size as u64);
+        let gone: Vec<u64> = {
+            let mut o = v.objs.lock();
+            let keys: Vec<u64> = o
+                .mappings
+                .keys()
+                .copied()
+                .filter(|&k| k >= ptr && k < end)
+                .collect();
+            let mut handles = Vec::new();
+            for k in keys {
+                if let Some((_, h)) = o.mappings.remove(&k) {
+                    if let Some(e) = o.vmm.get_mut(&h) {
+                        e.maps = e.maps.saturating_sub(1);
+                    }
+                    handles.push(h);
+                }
+            }
+            handles
+        };
+        for h in gone {
+            vmm_settle(v, h);
+        }
+    }
+    rc
+}
+
+// ---- stream-ordered allocation and pools -------------------------------------------------
+
+/// What the pool has reserved from the device, as the driver reports it.
+fn pool_reserved(pool: CUmemoryPool) -> Option<u64> {
+    let mut val: u64 = 0;
+    (ext!(
+        MISSING,
+        cuMemPoolGetAttribute(
+            pool,
+            CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+            (&mut val as *mut u64).cast()
+        )
+    ) == CUDA_SUCCESS)
+        .then_some(val)
+}
+
+/// Bring the count for `pool` to what it has reserved now (held under the objects lock so
+/// concurrent updates stay in order).
+fn settle_pool(v: &Vcuda, pool: CUmemoryPool, dev: usize) {
+    let mut o = v.objs.lock();
+    let Some(now) = pool_reserved(pool) else {
+        return;
+    };
+    let entry = o.pools.entry(pool as usize).or_insert((dev, 0));
+    let before = entry.1;
+    entry.1 = now;
+    let dev = entry.0;
+    drop(o);
+    if now > before {
+        v.force_add(dev, now - before);
+    } else if now < before {
+        v.release(dev, before - now);
+    }
+}
+
+/// Re-read every known pool (they shrink at synchronisations the application makes).
+pub fn refresh_pools(v: &Vcuda) {
+    let pools: Vec<(usize, usize)> = v
+        .objs
+        .lock()
+        .pools
+        .iter()
+        .map(|(&p, &(d, _))| (p, d))
+        .collect();
+    for (p, d) in pools {
+        settle_pool(v, p as CUmemoryPool, d);
+    }
+}
+
+fn stream_capturing(stream: CUstream) -> bool {
+    let mut status: u32 = 0;
+    ext!(MISSING, cuStreamIsCapturing(stream, &mut status)) == CUDA_SUCCESS && status == 1
+}
+
+fn async_common(
+    v: &Vcuda,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    stream: CUstream,
+    pool: Option<CUmemoryPool>,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    if dptr.is_null() || size == 0 {
+        return call();
+    }
+    if stream_capturing(stream) {
+        // Captured into a graph: the memory appears when the graph runs.
+        v.objs.lock().graph_nodes_seen = true;
+        return call();
+    }
+    let Some(dev) = v.current_dev() else {
+        return call();
+    };
+    let pool = match pool {
+        Some(p) => p,
+        None => {
+            let mut p: CUmemoryPool = std::ptr::null_mut();
+            let ord = v.ordinal_of(dev).unwrap_or(0);
+            if ext!(MISSING, cuDeviceGetMemPool(&mut p, ord)) != CUDA_SUCCESS {
+                return call();
+            }
+            p
+        }
+    };
+    let dev = v
+        .objs
+        .lock()
+        .pools
+        .get(&(pool as usize))
+        .map_or(dev, |e| e.0);
+    // The pool may grow by up to a granule beyond the request: hold that much while the
+    // driver decides, then count what it actually reserved.
+    let hold = (size as u64).div_ceil(POOL_GRANULE) * POOL_GRANULE;
+    if !v.reserve(dev, hold) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let rc = call();
+    if rc == CUDA_SUCCESS {
+        settle_pool(v, pool, dev);
+        // SAFETY: the driver succeeded, so *dptr holds the new pointer.
+        v.allocs.insert(
+            unsafe { *dptr },
+            Rec {
+                size: size as u64,
+                dev: dev as u8,
+                kind: Kind::Pool,
+            },
+        );
+    }
+    v.release(dev, hold);
+    rc
+}
+
+unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> CUresult {
+    match cuda() {
+        Ok(v) => async_common(v, dptr, size, stream, None, || {
+            forward!(MISSING, cuMemAllocAsync(dptr, size, stream))
+        }),
+        Err(e) => e,
+    }
+}
+
+unsafe fn alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> CUresult {
+    match cuda() {
+        Ok(v) => async_common(v, dptr, size, stream, None, || {
+            forward!(MISSING, cuMemAllocAsync_ptsz(dptr, size, stream))
+        }),
+        Err(e) => e,
+    }
+}
+
+unsafe fn alloc_pool(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: CUmemoryPool,
+    stream: CUstream,
+) -> CUresult {
+    match cuda() {
+        Ok(v) => async_common(v, dptr, size, stream, Some(pool), || {
+            forward!(MISSING, cuMemAllocFromPoolAsync(dptr, size, pool, stream))
+        }),
+        Err(e) => e,
+    }
+}
+
+unsafe fn alloc_pool_ptsz(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: CUmemoryPool,
+    stream: CUstream,
+) -> CUresult {
+    match cuda() {
+        Ok(v) => async_common(v, dptr, size, stream, Some(pool), || {
+            forward!(
+                MISSING,
+                cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)
+            )
+        }),
+        Err(e) => e,
+    }
+}
+
+unsafe fn free_async(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
+    match cuda() {
+        Ok(v) => free_common(v, dptr, || forward!(MISSING, cuMemFreeAsync(dptr, stream))),
+        Err(e) => e,
+    }
+}
+
+unsafe fn free_async_ptsz(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
+    match cuda() {
+        Ok(v) => free_common(v, dptr, || {
+            forward!(MISSING, cuMemFreeAsync_ptsz(dptr, stream))
+        }),
+        Err(e) => e,
+    }
+}
+
+unsafe fn pool_create(pool: *mut CUmemoryPool, props: *const CUmemPoolProps) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let rc = forward!(MISSING, cuMemPoolCreate(pool, props));
+    if rc == CUDA_SUCCESS && !props.is_null() {
+        // SAFETY: non-NULL props the caller passed; the driver wrote *pool.
+        let (loc, p) = unsafe { ((*props).location, *pool) };
+        if loc.kind == CU_MEM_LOCATION_TYPE_DEVICE {
+            if let Some(dev) = v.dev_of_ordinal(loc.id) {
+                v.objs.lock().pools.insert(p as usize, (dev, 0));
+            }
+        }
+    }
+    rc
+}
+
+unsafe fn pool_destroy(pool: CUmemoryPool) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let rc = forward!(MISSING, cuMemPoolDestroy(pool));
+    if rc == CUDA_SUCCESS {
+        if let Some((dev, bytes)) = v.objs.lock().pools.remove(&(pool as usize)) {
+            v.release(dev, bytes);
+        }
+    }
+    rc
+}
+
+unsafe fn pool_trim(pool: CUmemoryPool, keep: usize) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let rc = forward!(MISSING, cuMemPoolTrimTo(pool, keep));
+    if rc == CUDA_SUCCESS {
+        let dev = v.objs.lock().pools.get(&(pool as usize)).map(|e| e.0);
+        if let Some(dev) = dev {
+            settle_pool(v, pool, dev);
+        }
+    }
+    rc
+}
+
+// ---- graph memory ------------------------------------------------------------------------
+
+/// Count the graph memory each GPU's graph pool holds now (visible only after launches).
+pub fn refresh_graph_mem(v: &Vcuda) {
+    if !v.objs.lock().graph_nodes_seen {
+        return;
+    }
+    for dev in 0..v.limits.len() {
+        let Some(ord) = v.ordinal_of(dev) else {
+            continue;
+        };
+        let mut now: u64 = 0;
+        if ext!(
+            MISSING,
+            cuDeviceGetGraphMemAttribute(
+                ord,
+                CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+                (&mut now as *mut u64).cast()
+            )
+        ) != CUDA_SUCCESS
+        {
+            continue;
+        }
+        let before = std::mem::replace(&mut v.objs.lock().graph_mem[dev], now);
+        if now > before {
+            v.force_add(dev, now - before);
+        } else if now < before {
+            v.release(dev, before - now);
+        }
+    }
+}
+
+fn saw_graph_memory(v: &Vcuda) {
+    v.objs.lock().graph_nodes_seen = true;
+}
+
+unsafe fn graph_alloc_node(
+    node: *mut CUgraphNode,
+    graph: CUgraph,
+    deps: *const CUgraphNode,
+    n: usize,
+    params: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
+) -> CUresult {
+    if let Ok(v) = cuda() {
+        saw_graph_memory(v);
+    }
+    forward!(
+        MISSING,
+        cuGraphAddMemAllocNode(node, graph, deps, n, params)
+    )
+}
+
+fn note_node(params: *mut CUgraphNodeParams) {
+    // SAFETY: a non-NULL params struct the caller passed; only its type is read.
+    if !params.is_null() && unsafe { (*params).kind } == CU_GRAPH_NODE_TYPE_MEM_ALLOC {
+        if let Ok(v) = cuda() {
+            saw_graph_memory(v);
+        }
+    }
+}
+
+unsafe fn graph_add_node(
+    node: *mut CUgraphNode,
+    graph: CUgraph,
+    deps: *const CUgraphNode,
+    n: usize,
+    params: *mut CUgraphNodeParams,
+) -> CUresult {
+    note_node(params);
+    forward!(MISSING, cuGraphAddNode(node, graph, deps, n, params))
+}
+
+unsafe fn graph_add_node_v2(
+    node: *mut CUgraphNode,
+    graph: CUgraph,
+    deps: *const CUgraphNode,
+    edges: *const c_void,
+    n: usize,
+    params: *mut CUgraphNodeParams,
+) -> CUresult {
+    note_node(params);
+    forward!(
+        MISSING,
+        cuGraphAddNode_v2(node, graph, deps, edges, n, params)
+    )
+}
+
+fn after_graph_run(rc: CUresult) -> CUresult {
+    if rc == CUDA_SUCCESS {
+        if let Ok(v) = cuda() {
+            refresh_graph_mem(v);
+        }
+    }
+    rc
+}
+
+unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> CUresult {
+    after_graph_run(forward!(MISSING, cuGraphLaunch(exec, stream)))
+}
+
+unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult {
+    after_graph_run(forward!(MISSING, cuGraphLaunch_ptsz(exec, stream)))
+}
+
+unsafe fn graph_upload(exec: CUgraphExec, stream: CUstream) -> CUresult {
+    after_graph_run(forward!(MISSING, cuGraphUpload(exec, stream)))
+}
+
+unsafe fn graph_upload_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult {
+    after_graph_run(forward!(MISSING, cuGraphUpload_ptsz(exec, stream)))
+}
+
+unsafe fn graph_trim(dev: CUdevice) -> CUresult {
+    after_graph_run(forward!(MISSING, cuDeviceGraphMemTrim(dev)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn array_estimates_use_bytes_not_bits() {
+        assert_eq!(array_estimate(1024, 1024, 0, 0x02, 4), 8 << 20);
+        assert_eq!(array_estimate(100, 0, 0, 0x20, 1), 400);
+        assert_eq!(array_estimate(4, 4, 4, 0x01, 2), 128);
+    }
+}
