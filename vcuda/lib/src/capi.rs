@@ -59,3 +59,33 @@ pub unsafe extern "C" fn vcuda_get_memory(index: c_int, out: *mut VcudaMemory) -
         0
     }) as c_int
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    /// include/vcuda.h is what cbindgen makes of this file now.
+    #[test]
+    fn header_is_current() {
+        let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let config =
+            cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("cbindgen.toml");
+        let mut out = Vec::new();
+        cbindgen::Builder::new()
+            .with_config(config)
+            .with_src(crate_dir.join("src/capi.rs"))
+            .generate()
+            .expect("cbindgen runs")
+            .write(&mut out);
+        let generated = String::from_utf8(out).expect("UTF-8");
+        let path = crate_dir.join("../../include/vcuda.h");
+        if std::env::var_os("VCUDA_WRITE_HEADER").is_some() {
+            std::fs::write(&path, &generated).expect("write include/vcuda.h");
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == generated,
+            "include/vcuda.h is stale: regenerate with VCUDA_WRITE_HEADER=1 cargo test -p vcuda header_is_current"
+        );
+    }
+}
