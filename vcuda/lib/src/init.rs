@@ -203,13 +203,13 @@ fn pack(s: SlotId) -> u64 {
     (u64::from(s.index) << 32) | u64::from(s.generation)
 }
 
+/// At exit the slot is deliberately kept: the driver frees this process's device memory only
+/// as the process ends, after exit handlers run. Giving the reservation back earlier would
+/// let a peer allocate into memory that is still held. The slot is reclaimed once the
+/// process is gone (its lock is dropped by the kernel), by the next peer that needs the
+/// room or by the sweep.
 extern "C" fn at_exit() {
     EXITING.store(true, Relaxed);
-    if let Some(Ok(v)) = STATE.get() {
-        if !FORKED.load(Relaxed) {
-            v.region.unclaim(v.me());
-        }
-    }
 }
 
 extern "C" fn in_child() {
