@@ -17,8 +17,8 @@ hooks! {
     Cuda fn cuInit(flags: c_uint) -> CUresult => init;
     Cuda fn cuCtxCreate(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create;
     Cuda fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create_v2;
-    Cuda fn cuCtxCreate_v3(pctx: *mut CUcontext, params: *mut c_void, num_params: c_int, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create_v3;
-    Cuda fn cuCtxCreate_v4(pctx: *mut CUcontext, params: *mut c_void, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create_v4;
+    Cuda fn cuCtxCreate_v3(pctx: *mut CUcontext, params: *mut CUexecAffinityParam, num_params: c_int, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create_v3;
+    Cuda fn cuCtxCreate_v4(pctx: *mut CUcontext, params: *mut CUctxCreateParams, flags: c_uint, dev: CUdevice) -> CUresult => ctx_create_v4;
     Cuda fn cuCtxDestroy(ctx: CUcontext) -> CUresult => ctx_destroy;
     Cuda fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult => ctx_destroy_v2;
     Cuda fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult => primary_retain;
@@ -254,7 +254,7 @@ unsafe fn ctx_create_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> C
 
 unsafe fn ctx_create_v3(
     pctx: *mut CUcontext,
-    params: *mut c_void,
+    params: *mut CUexecAffinityParam,
     num_params: c_int,
     flags: c_uint,
     dev: CUdevice,
@@ -269,7 +269,7 @@ unsafe fn ctx_create_v3(
 
 unsafe fn ctx_create_v4(
     pctx: *mut CUcontext,
-    params: *mut c_void,
+    params: *mut CUctxCreateParams,
     flags: c_uint,
     dev: CUdevice,
 ) -> CUresult {

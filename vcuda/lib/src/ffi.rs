@@ -160,6 +160,30 @@ pub struct CUgraphNodeParams {
 
 pub const CU_GRAPH_NODE_TYPE_MEM_ALLOC: u32 = 10;
 
+/// `CUexecAffinityParam` (only passed through).
+#[repr(C)]
+pub struct CUexecAffinityParam {
+    pub kind: u32,
+    pub value: u32,
+}
+
+/// `CUctxCreateParams` (only passed through).
+#[repr(C)]
+pub struct CUctxCreateParams {
+    pub exec_affinity_params: *mut CUexecAffinityParam,
+    pub num_exec_affinity_params: i32,
+    pub cig_params: *mut c_void,
+}
+
+/// `CUgraphEdgeData` (only passed through).
+#[repr(C)]
+pub struct CUgraphEdgeData {
+    pub from_port: u8,
+    pub to_port: u8,
+    pub kind: u8,
+    pub reserved: [u8; 5],
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct nvmlMemory_t {
@@ -213,6 +237,9 @@ mod tests {
         assert_eq!(size_of::<CUDA_MEM_ALLOC_NODE_PARAMS>(), 120);
         assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, dptr), 112);
         assert_eq!(size_of::<CUgraphNodeParams>(), 256);
+        assert_eq!(size_of::<CUexecAffinityParam>(), 8);
+        assert_eq!(size_of::<CUctxCreateParams>(), 24);
+        assert_eq!(size_of::<CUgraphEdgeData>(), 8);
         assert_eq!(size_of::<nvmlMemory_t>(), 24);
         assert_eq!(size_of::<nvmlMemory_v2_t>(), 40);
         assert_eq!(size_of::<nvmlProcessInfo_v1_t>(), 16);

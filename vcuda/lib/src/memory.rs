@@ -13,6 +13,14 @@ use crate::table::{Kind, Rec};
 
 /// Granularity pools grow by (CUDA's allocation granularity).
 const POOL_GRANULE: u64 = 2 << 20;
+/// Allocations are counted rounded up to this: the driver's minimum alignment, so the count
+/// is what the device holds. Coarser rounding by a real driver shows up as hidden memory.
+pub const ALLOC_GRANULE: u64 = 512;
+
+#[inline(always)]
+fn counted(bytes: u64) -> u64 {
+    bytes.div_ceil(ALLOC_GRANULE) * ALLOC_GRANULE
+}
 
 hooks! {
     Cuda fn cuMemAlloc(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult => alloc_v1;
@@ -45,7 +53,7 @@ hooks! {
     Cuda fn cuMemPoolTrimTo(pool: CUmemoryPool, keep: usize) -> CUresult => pool_trim;
     Cuda fn cuGraphAddMemAllocNode(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, n: usize, params: *mut CUDA_MEM_ALLOC_NODE_PARAMS) -> CUresult => graph_alloc_node;
     Cuda fn cuGraphAddNode(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, n: usize, params: *mut CUgraphNodeParams) -> CUresult => graph_add_node;
-    Cuda fn cuGraphAddNode_v2(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, edges: *const c_void, n: usize, params: *mut CUgraphNodeParams) -> CUresult => graph_add_node_v2;
+    Cuda fn cuGraphAddNode_v2(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, edges: *const CUgraphEdgeData, n: usize, params: *mut CUgraphNodeParams) -> CUresult => graph_add_node_v2;
     Cuda fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_launch;
     Cuda fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_launch_ptsz;
     Cuda fn cuGraphUpload(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_upload;
@@ -105,7 +113,7 @@ unsafe fn alloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
     if dptr.is_null() || bytesize == 0 {
         return forward!(MISSING, cuMemAlloc_v2(dptr, bytesize));
     }
-    match reserved_call(v, bytesize as u64, || {
+    match reserved_call(v, counted(bytesize as u64), || {
         forward!(MISSING, cuMemAlloc_v2(dptr, bytesize))
     }) {
         Ok(dev) => {
@@ -113,7 +121,7 @@ unsafe fn alloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
             v.allocs.insert(
                 unsafe { *dptr },
                 Rec {
-                    size: bytesize as u64,
+                    size: counted(bytesize as u64),
                     dev: dev as u8,
                     kind: Kind::Reserved,
                 },
@@ -132,7 +140,7 @@ unsafe fn alloc_v1(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult {
     if dptr.is_null() || bytesize == 0 {
         return forward!(MISSING, cuMemAlloc(dptr, bytesize));
     }
-    match reserved_call(v, u64::from(bytesize), || {
+    match reserved_call(v, counted(u64::from(bytesize)), || {
         forward!(MISSING, cuMemAlloc(dptr, bytesize))
     }) {
         Ok(dev) => {
@@ -140,7 +148,7 @@ unsafe fn alloc_v1(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult {
             v.allocs.insert(
                 u64::from(unsafe { *dptr }),
                 Rec {
-                    size: u64::from(bytesize),
+                    size: counted(u64::from(bytesize)),
                     dev: dev as u8,
                     kind: Kind::Reserved,
                 },
@@ -160,7 +168,7 @@ unsafe fn managed(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUr
         return forward!(MISSING, cuMemAllocManaged(dptr, bytesize, flags));
     }
     // Managed memory may not be resident; the policy counts it against the current GPU.
-    match reserved_call(v, bytesize as u64, || {
+    match reserved_call(v, counted(bytesize as u64), || {
         forward!(MISSING, cuMemAllocManaged(dptr, bytesize, flags))
     }) {
         Ok(dev) => {
@@ -168,7 +176,7 @@ unsafe fn managed(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUr
             v.allocs.insert(
                 unsafe { *dptr },
                 Rec {
-                    size: bytesize as u64,
+                    size: counted(bytesize as u64),
                     dev: dev as u8,
                     kind: Kind::Reserved,
                 },
@@ -193,7 +201,7 @@ fn pitch_common(
     match reserved_call(v, est, call) {
         Ok(dev) => {
             let (ptr, pitch) = result();
-            let actual = pitch * height;
+            let actual = counted(pitch * height);
             if !true_up(v, dev, est, actual) {
                 free(ptr);
                 return CUDA_ERROR_OUT_OF_MEMORY;
@@ -965,7 +973,7 @@ unsafe fn graph_add_node_v2(
     node: *mut CUgraphNode,
     graph: CUgraph,
     deps: *const CUgraphNode,
-    edges: *const c_void,
+    edges: *const CUgraphEdgeData,
     n: usize,
     params: *mut CUgraphNodeParams,
 ) -> CUresult {
