@@ -31,7 +31,12 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use crate::config::MAX_GPUS;
 
 pub const REGION_MAGIC: u64 = u64::from_le_bytes(*b"VCUDARGN");
-pub const REGION_VERSION: u32 = 1;
+pub const REGION_VERSION: u32 = 2;
+/// `Slot::api` holds bytes in its low 48 bits and a change count in its high 16: every
+/// reservation and release bumps the count in the same atomic operation, so a reader can
+/// tell whether the counter moved between two reads at no cost to the hot path.
+pub const API_BYTES: u64 = (1 << 48) - 1;
+const API_CHANGE: u64 = 1 << 48;
 /// Processes per container.
 pub const MAX_PROCS: usize = 64;
 
@@ -71,7 +76,7 @@ pub struct Slot {
     pub generation: AtomicU32,
     /// Start time of `pid` (clock ticks since boot, /proc/<pid>/stat field 22).
     pub start_time: AtomicU64,
-    /// Bytes reserved through allocation calls, per GPU.
+    /// Bytes reserved through allocation calls, per GPU (low 48 bits; see [`API_BYTES`]).
     pub api: [AtomicU64; MAX_GPUS],
     /// Bytes the driver charges the process beyond its allocations (contexts, modules,
     /// limits), per GPU, as last measured.
@@ -314,32 +319,50 @@ impl Region {
     /// `limit`. Lock-free; see the module comment for why it never overshoots.
     #[inline]
     pub fn reserve(&self, me: SlotId, dev: usize, bytes: u64, limit: u64) -> bool {
+        if bytes > limit {
+            // Also keeps the counters far from wrapping, whatever size a caller asks for.
+            return false;
+        }
         let mine = &self.slots()[me.index as usize].api[dev];
-        mine.fetch_add(bytes, SeqCst);
+        mine.fetch_add(bytes.wrapping_add(API_CHANGE), SeqCst);
         if self.used_seqcst(dev) <= limit {
             return true;
         }
-        mine.fetch_sub(bytes, SeqCst);
+        mine.fetch_add(API_CHANGE.wrapping_sub(bytes), SeqCst);
         false
     }
 
-    /// Give back `bytes` reserved earlier.
+    /// Give back `bytes` reserved earlier (exactly what was reserved: callers release only
+    /// what their own bookkeeping recorded).
     #[inline]
     pub fn release(&self, me: SlotId, dev: usize, bytes: u64) {
-        let c = &self.slots()[me.index as usize].api[dev];
-        // Saturating: never wrap below zero even if the caller's bookkeeping were off.
-        let _ = c.fetch_update(Release, Relaxed, |v| Some(v.saturating_sub(bytes)));
+        // Subtract the bytes and count the change in one operation (no borrow crosses bit 48:
+        // the counter holds at least `bytes`).
+        self.slots()[me.index as usize].api[dev].fetch_add(API_CHANGE.wrapping_sub(bytes), Release);
+    }
+
+    /// This process's allocation counter on `dev`, raw: bytes and change count. Two equal
+    /// readings mean nothing was reserved or released in between.
+    pub fn api_raw(&self, me: SlotId, dev: usize) -> u64 {
+        self.slots()[me.index as usize].api[dev].load(SeqCst)
     }
 
     /// Add `bytes` without checking the limit: memory the driver already holds (counted
     /// late). The container may then be over its quota until usage drops.
     pub fn force_add(&self, me: SlotId, dev: usize, bytes: u64) {
-        self.slots()[me.index as usize].api[dev].fetch_add(bytes, SeqCst);
+        self.slots()[me.index as usize].api[dev].fetch_add(bytes.wrapping_add(API_CHANGE), SeqCst);
     }
 
     /// Set this process's measured hidden memory on `dev`; returns the previous value.
     pub fn set_hidden(&self, me: SlotId, dev: usize, bytes: u64) -> u64 {
         self.slots()[me.index as usize].hidden[dev].swap(bytes, SeqCst)
+    }
+
+    /// Raise this process's hidden memory on `dev` to at least `bytes`; returns the previous
+    /// value. (A measurement taken while allocations are in flight can only come out low, so
+    /// between teardowns the count only goes up.)
+    pub fn raise_hidden(&self, me: SlotId, dev: usize, bytes: u64) -> u64 {
+        self.slots()[me.index as usize].hidden[dev].fetch_max(bytes, SeqCst)
     }
 
     /// What the container holds on `dev` (all processes, allocations and hidden memory).
@@ -357,7 +380,7 @@ impl Region {
     fn sum(&self, dev: usize, order: std::sync::atomic::Ordering) -> u64 {
         let n = (self.header().slots_used.load(Acquire) as usize).min(MAX_PROCS);
         self.slots()[..n].iter().fold(0u64, |acc, s| {
-            acc.saturating_add(s.api[dev].load(order))
+            acc.saturating_add(s.api[dev].load(order) & API_BYTES)
                 .saturating_add(s.hidden[dev].load(order))
         })
     }
@@ -365,7 +388,10 @@ impl Region {
     /// This process's own bytes on `dev`: (allocations, hidden).
     pub fn mine(&self, me: SlotId, dev: usize) -> (u64, u64) {
         let s = &self.slots()[me.index as usize];
-        (s.api[dev].load(Relaxed), s.hidden[dev].load(Relaxed))
+        (
+            s.api[dev].load(Relaxed) & API_BYTES,
+            s.hidden[dev].load(Relaxed),
+        )
     }
 
     // ---- processes --------------------------------------------------------------------
@@ -495,7 +521,10 @@ impl Region {
                 index: i as u32,
                 pid: s.pid.load(Relaxed),
                 host_pid: s.host_pid.load(Relaxed),
-                api: s.api[..g].iter().map(|a| a.load(Relaxed)).collect(),
+                api: s.api[..g]
+                    .iter()
+                    .map(|a| a.load(Relaxed) & API_BYTES)
+                    .collect(),
                 hidden: s.hidden[..g].iter().map(|a| a.load(Relaxed)).collect(),
             })
             .collect()
@@ -602,13 +631,26 @@ mod tests {
         assert!(!r.reserve(me, 0, 401, 1000));
         assert!(r.reserve(me, 0, 400, 1000));
         assert!(r.reserve(me, 1, 1000, 1000), "GPUs are counted separately");
+        let raw = r.api_raw(me, 0);
+        assert!(!r.reserve(me, 0, 1, 1000));
+        assert_ne!(
+            r.api_raw(me, 0),
+            raw,
+            "a refused reservation is a change too"
+        );
+        assert_eq!(r.api_raw(me, 0) & API_BYTES, 1000);
         assert_eq!(r.used(0), 1000);
         r.release(me, 0, 1000);
         assert_eq!(r.used(0), 0);
         r.set_hidden(me, 0, 300);
         assert!(!r.reserve(me, 0, 701, 1000), "hidden memory counts");
-        r.release(me, 0, 5);
-        assert_eq!(r.mine(me, 0), (0, 300), "release never wraps");
+        assert!(
+            !r.reserve(me, 0, u64::MAX - 10, 1000),
+            "absurd sizes are refused, not wrapped"
+        );
+        assert_eq!(r.mine(me, 0), (0, 300));
+        assert_eq!(r.raise_hidden(me, 0, 200), 300);
+        assert_eq!(r.mine(me, 0), (0, 300), "raise never lowers");
     }
 
     #[test]

@@ -92,26 +92,61 @@ fn driver_used(v: &Vcuda, dev: usize) -> Option<u64> {
     None
 }
 
-/// Set this process's hidden memory on `dev` to what the driver charges beyond the
+/// Measure this process's hidden memory on `dev`: what the driver charges beyond the
 /// allocations it counted, less `pending` bytes it holds reserved for a call in flight.
-/// Returns (before, after).
-fn measure_hidden(v: &Vcuda, dev: usize, pending: u64) -> Option<(u64, u64)> {
-    let used = driver_used(v, dev)?;
+///
+/// An allocation still in flight (reserved before its driver call) or a free in flight
+/// (released after its driver call) can only make a reading low. So between teardowns the
+/// hidden count is only raised (`Raise`); after a teardown, which lowers the true figure, it
+/// is set (`Set`). Returns (before, after), or `None` without NVML or a clean reading.
+fn measure_hidden(v: &Vcuda, dev: usize, pending: u64, how: Update) -> Option<(u64, u64)> {
     let me = v.me();
-    let (api, _) = v.region.mine(me, dev);
-    let hidden = used.saturating_sub(api.saturating_sub(pending));
-    let before = v.region.set_hidden(me, dev, hidden);
-    Some((before, hidden))
+    // Only a reading during which this process reserved and released nothing is used: an
+    // allocation or free between the driver and our counter would skew it.
+    for _ in 0..16 {
+        let before_raw = v.region.api_raw(me, dev);
+        let used = driver_used(v, dev)?;
+        if v.region.api_raw(me, dev) != before_raw {
+            std::thread::yield_now();
+            continue;
+        }
+        let api = before_raw & vcuda_contract::region::API_BYTES;
+        let hidden = used.saturating_sub(api.saturating_sub(pending));
+        let before = match how {
+            Update::Raise => v.region.raise_hidden(me, dev, hidden),
+            Update::Set => v.region.set_hidden(me, dev, hidden),
+        };
+        return Some((
+            before,
+            if matches!(how, Update::Raise) {
+                before.max(hidden)
+            } else {
+                hidden
+            },
+        ));
+    }
+    None
 }
 
-/// Periodic and after-the-fact measurement of hidden memory on `dev`.
+#[derive(Clone, Copy)]
+enum Update {
+    Raise,
+    Set,
+}
+
+/// Periodic measurement of hidden memory on `dev` (only raises it).
 pub fn reconcile(v: &Vcuda, dev: usize) {
-    measure_hidden(v, dev, 0);
+    measure_hidden(v, dev, 0, Update::Raise);
 }
 
-fn reconcile_all(v: &Vcuda) {
+/// Measurement after something was torn down (may lower it).
+fn remeasure(v: &Vcuda, dev: usize) {
+    measure_hidden(v, dev, 0, Update::Set);
+}
+
+fn remeasure_all(v: &Vcuda) {
     for d in 0..v.limits.len() {
-        reconcile(v, d);
+        remeasure(v, d);
     }
 }
 
@@ -146,7 +181,7 @@ fn costed(
         return rc;
     }
     // Count the new memory before letting go of the reservation, never less than both.
-    let cost = match measure_hidden(v, dev, est) {
+    let cost = match measure_hidden(v, dev, est, Update::Raise) {
         Some((before, after)) => after.saturating_sub(before),
         None => {
             // No per-process figure from NVML: the device's free memory before and after.
@@ -175,7 +210,7 @@ fn costed(
     );
     if used > v.limit(dev) {
         undo();
-        reconcile(v, dev);
+        remeasure(v, dev);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUDA_SUCCESS
@@ -194,7 +229,15 @@ unsafe fn init(flags: c_uint) -> CUresult {
         Err(e) => return e,
     };
     crate::init::restrict_visible_devices(&v.cfg);
+    let assigned = v.cfg.uuids();
+    let expected = crate::init::compose_visible(
+        std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+        &assigned,
+    );
     let rc = forward!(MISSING, cuInit(flags));
+    if rc == CUDA_ERROR_NO_DEVICE && !expected.is_empty() {
+        return refuse(v, &expected, &[]);
+    }
     if rc != CUDA_SUCCESS {
         return rc;
     }
@@ -214,6 +257,9 @@ unsafe fn init(flags: c_uint) -> CUresult {
         }
         uuids.push(u.bytes);
     }
+    if expected.iter().any(|&i| !uuids.contains(&assigned[i])) {
+        return refuse(v, &expected, &uuids);
+    }
     match v.set_visible(&uuids) {
         Ok(()) => CUDA_SUCCESS,
         Err(msg) => {
@@ -221,6 +267,22 @@ unsafe fn init(flags: c_uint) -> CUresult {
             CUDA_ERROR_NOT_PERMITTED
         }
     }
+}
+
+/// The driver lacks a GPU the config assigns: refuse GPU use and say which.
+fn refuse(v: &Vcuda, expected: &[usize], shown: &[[u8; 16]]) -> CUresult {
+    let assigned = v.cfg.uuids();
+    let missing: Vec<String> = expected
+        .iter()
+        .filter(|&&i| !shown.contains(&assigned[i]))
+        .map(|&i| vcuda_contract::config::format_uuid(&assigned[i]))
+        .collect();
+    crate::log::line(&format!(
+        "vcuda: config {}: the driver does not show GPU {} that it assigns (is the UUID right? `nvidia-smi -L` lists them); GPU use is refused",
+        vcuda_contract::ContainerConfig::path_from_env().display(),
+        missing.join(", ")
+    ));
+    CUDA_ERROR_NOT_PERMITTED
 }
 
 // ---- contexts ------------------------------------------------------------------------------
@@ -312,7 +374,7 @@ fn after_teardown(v: &Vcuda) {
         }
     }
     crate::memory::refresh_pools(v);
-    reconcile_all(v);
+    remeasure_all(v);
 }
 
 fn teardown(rc: CUresult) -> CUresult {
@@ -378,10 +440,10 @@ unsafe fn set_limit(limit: u32, value: usize) -> CUresult {
     let Some(dev) = v.current_dev() else {
         return rc;
     };
-    reconcile(v, dev);
+    remeasure(v, dev);
     if v.region.used(dev) > v.limit(dev) && had_old {
         forward!(MISSING, cuCtxSetLimit(limit, old));
-        reconcile(v, dev);
+        remeasure(v, dev);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     rc
@@ -462,7 +524,7 @@ unsafe fn module_unload(module: CUmodule) -> CUresult {
     let rc = forward!(MISSING, cuModuleUnload(module));
     if rc == CUDA_SUCCESS {
         if let Ok(v) = cuda() {
-            reconcile_all(v);
+            remeasure_all(v);
         }
     }
     rc
@@ -522,7 +584,7 @@ unsafe fn library_unload(lib: CUlibrary) -> CUresult {
     let rc = forward!(MISSING, cuLibraryUnload(lib));
     if rc == CUDA_SUCCESS {
         if let Ok(v) = cuda() {
-            reconcile_all(v);
+            remeasure_all(v);
         }
     }
     rc

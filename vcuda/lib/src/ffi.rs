@@ -16,6 +16,7 @@ pub type CUcontext = *mut c_void;
 pub type CUmodule = *mut c_void;
 pub type CUlibrary = *mut c_void;
 pub type CUstream = *mut c_void;
+pub type CUevent = *mut c_void;
 pub type CUarray = *mut c_void;
 pub type CUmipmappedArray = *mut c_void;
 pub type CUmemoryPool = *mut c_void;
@@ -29,6 +30,7 @@ pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
 pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
+pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
 pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
 pub const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
@@ -60,6 +62,7 @@ pub fn catch(f: impl FnOnce() -> u32) -> u32 {
 
 pub const CU_MEM_LOCATION_TYPE_DEVICE: u32 = 1;
 pub const CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: u32 = 5;
+pub const CU_MEMPOOL_ATTR_USED_MEM_CURRENT: u32 = 7;
 pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: u32 = 2;
 pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: u32 = 12;
 

@@ -73,6 +73,13 @@ pub struct Vcuda {
     single: AtomicU64,
     /// Real NVML handles of the config's GPUs (config order), once NVML is initialised.
     pub nvml_handles: OnceLock<Vec<usize>>,
+    /// Synchronisations (which let pools give cached memory back to the device) hold this
+    /// shared; a stream-ordered allocation that counts on a pool's cached memory holds it
+    /// exclusively, so that memory cannot vanish between the check and the driver call.
+    pub pool_sync: parking_lot::RwLock<()>,
+    /// Serialises this process's stream-ordered allocations among themselves (another
+    /// thread's allocation could otherwise take the cached memory one counts on).
+    pub pool_alloc: Mutex<()>,
 }
 
 static STATE: OnceLock<Result<Vcuda, Failure>> = OnceLock::new();
@@ -182,6 +189,8 @@ fn start_inner() -> Result<Vcuda, Failure> {
         visible: Mutex::new(Vec::new()),
         single: AtomicU64::new(u64::MAX),
         nvml_handles: OnceLock::new(),
+        pool_sync: parking_lot::RwLock::new(()),
+        pool_alloc: Mutex::new(()),
         cfg,
     };
     // SAFETY: registering plain extern "C" functions without captured state.

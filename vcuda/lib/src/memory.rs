@@ -59,6 +59,10 @@ hooks! {
     Cuda fn cuGraphUpload(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_upload;
     Cuda fn cuGraphUpload_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_upload_ptsz;
     Cuda fn cuDeviceGraphMemTrim(dev: CUdevice) -> CUresult => graph_trim;
+    Cuda fn cuStreamSynchronize(stream: CUstream) -> CUresult => stream_sync;
+    Cuda fn cuStreamSynchronize_ptsz(stream: CUstream) -> CUresult => stream_sync_ptsz;
+    Cuda fn cuCtxSynchronize() -> CUresult => ctx_sync;
+    Cuda fn cuEventSynchronize(event: CUevent) -> CUresult => event_sync;
 }
 
 const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
@@ -326,17 +330,43 @@ pub fn format_bytes(format: u32) -> u64 {
     }
 }
 
-/// Estimated bytes of an array: the driver's figure replaces it after creation.
-pub fn array_estimate(w: u64, h: u64, d: u64, format: u32, channels: u32) -> u64 {
+/// Raw bytes of an array's elements.
+pub fn array_bytes(w: u64, h: u64, d: u64, format: u32, channels: u32) -> u64 {
     w.max(1) * h.max(1) * d.max(1) * format_bytes(format) * u64::from(channels.max(1))
+}
+
+/// The coarsest rounding seen in the driver's array sizes (a power of two, 64 KiB to
+/// 2 MiB): array reservations are rounded up to it, so they are upper estimates.
+static ARRAY_GRANULE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(64 << 10);
+
+/// Upper estimate of what the driver charges for an array of `raw` bytes.
+pub fn array_estimate(raw: u64) -> u64 {
+    let g = ARRAY_GRANULE.load(std::sync::atomic::Ordering::Relaxed);
+    raw.div_ceil(g) * g
+}
+
+/// Learn the driver's rounding from the size it reported for an array of `raw` bytes: the
+/// smallest power of two that rounds `raw` up to `actual`, or, if no rounding explains it,
+/// the next power of two above the difference.
+fn learn_array_granule(raw: u64, actual: u64) {
+    if actual <= raw {
+        return;
+    }
+    let g = (9..=21)
+        .map(|b| 1u64 << b)
+        .find(|&p| raw.div_ceil(p) * p == actual)
+        .unwrap_or_else(|| (actual - raw).next_power_of_two())
+        .clamp(64 << 10, 2 << 20);
+    ARRAY_GRANULE.fetch_max(g, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn array_common(
     v: &Vcuda,
-    est: u64,
+    raw: u64,
     handle: *mut CUarray,
     call: impl FnOnce() -> CUresult,
 ) -> CUresult {
+    let est = array_estimate(raw);
     match reserved_call(v, est, call) {
         Ok(dev) => {
             // SAFETY: the driver succeeded, so *handle is the new array.
@@ -347,6 +377,7 @@ fn array_common(
                 == CUDA_SUCCESS
                 && req.size > 0
             {
+                learn_array_granule(raw, req.size as u64);
                 req.size as u64
             } else {
                 est
@@ -372,8 +403,8 @@ unsafe fn array_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> 
     }
     // SAFETY: a non-NULL descriptor the caller passed.
     let d = unsafe { &*desc };
-    let est = array_estimate(d.width as u64, d.height as u64, 1, d.format, d.num_channels);
-    array_common(v, est, handle, || {
+    let raw = array_bytes(d.width as u64, d.height as u64, 1, d.format, d.num_channels);
+    array_common(v, raw, handle, || {
         forward!(MISSING, cuArrayCreate_v2(handle, desc))
     })
 }
@@ -388,14 +419,14 @@ unsafe fn array_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) 
     }
     // SAFETY: a non-NULL descriptor the caller passed.
     let d = unsafe { &*desc };
-    let est = array_estimate(
+    let raw = array_bytes(
         u64::from(d.width),
         u64::from(d.height),
         1,
         d.format,
         d.num_channels,
     );
-    array_common(v, est, handle, || {
+    array_common(v, raw, handle, || {
         forward!(MISSING, cuArrayCreate(handle, desc))
     })
 }
@@ -410,14 +441,14 @@ unsafe fn array3d_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR)
     }
     // SAFETY: a non-NULL descriptor the caller passed.
     let d = unsafe { &*desc };
-    let est = array_estimate(
+    let raw = array_bytes(
         d.width as u64,
         d.height as u64,
         d.depth as u64,
         d.format,
         d.num_channels,
     );
-    array_common(v, est, handle, || {
+    array_common(v, raw, handle, || {
         forward!(MISSING, cuArray3DCreate_v2(handle, desc))
     })
 }
@@ -432,14 +463,14 @@ unsafe fn array3d_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_
     }
     // SAFETY: a non-NULL descriptor the caller passed.
     let d = unsafe { &*desc };
-    let est = array_estimate(
+    let raw = array_bytes(
         u64::from(d.width),
         u64::from(d.height),
         u64::from(d.depth),
         d.format,
         d.num_channels,
     );
-    array_common(v, est, handle, || {
+    array_common(v, raw, handle, || {
         forward!(MISSING, cuArray3DCreate(handle, desc))
     })
 }
@@ -479,15 +510,19 @@ unsafe fn mipmap_create(
     let est: u64 = (0..levels.min(32))
         .map(|l| {
             let s = |x: usize| if x == 0 { 0 } else { ((x >> l).max(1)) as u64 };
-            array_estimate(
+            array_bytes(
                 s(d.width),
                 s(d.height),
                 s(d.depth),
                 d.format,
                 d.num_channels,
             )
+            .div_ceil(ALLOC_GRANULE)
+                * ALLOC_GRANULE
         })
-        .sum();
+        .sum::<u64>();
+    let raw = est;
+    let est = array_estimate(raw);
     match reserved_call(v, est, || {
         forward!(MISSING, cuMipmappedArrayCreate(handle, desc, levels))
     }) {
@@ -502,6 +537,7 @@ unsafe fn mipmap_create(
             ) == CUDA_SUCCESS
                 && req.size > 0
             {
+                learn_array_granule(raw, req.size as u64);
                 req.size as u64
             } else {
                 est
@@ -676,14 +712,14 @@ unsafe fn vmm_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
 
 /// What the pool has reserved from the device, as the driver reports it.
 fn pool_reserved(pool: CUmemoryPool) -> Option<u64> {
+    pool_attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+}
+
+fn pool_attr(pool: CUmemoryPool, attr: u32) -> Option<u64> {
     let mut val: u64 = 0;
     (ext!(
         MISSING,
-        cuMemPoolGetAttribute(
-            pool,
-            CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-            (&mut val as *mut u64).cast()
-        )
+        cuMemPoolGetAttribute(pool, attr, (&mut val as *mut u64).cast())
     ) == CUDA_SUCCESS)
         .then_some(val)
 }
@@ -762,9 +798,21 @@ fn async_common(
         .pools
         .get(&(pool as usize))
         .map_or(dev, |e| e.0);
-    // The pool may grow by up to a granule beyond the request: hold that much while the
-    // driver decides, then count what it actually reserved.
-    let hold = (size as u64).div_ceil(POOL_GRANULE) * POOL_GRANULE;
+    // What the pool cannot serve from memory it already holds, it grows by, in granules.
+    // That cached memory can only be counted on while no synchronisation can give it back
+    // to the device: with the exclusive lock, hold the exact growth; if a synchronisation
+    // is running, hold the growth as if the pool had nothing cached.
+    let need = counted(size as u64);
+    let _serial = v.pool_alloc.lock();
+    let exclusive = v.pool_sync.try_write();
+    let cached = if exclusive.is_some() {
+        pool_reserved(pool)
+            .zip(pool_attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT))
+            .map_or(0, |(r, u)| r.saturating_sub(u))
+    } else {
+        0
+    };
+    let hold = need.saturating_sub(cached).div_ceil(POOL_GRANULE) * POOL_GRANULE;
     if !v.reserve(dev, hold) {
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -882,12 +930,42 @@ unsafe fn pool_destroy(pool: CUmemoryPool) -> CUresult {
     rc
 }
 
+/// Run a call during which pools may give cached memory back (see `Vcuda::pool_sync`).
+fn releasing_pools(call: impl FnOnce() -> CUresult) -> CUresult {
+    match cuda() {
+        Ok(v) => {
+            let _shared = v.pool_sync.read();
+            call()
+        }
+        Err(e) => e,
+    }
+}
+
+unsafe fn stream_sync(stream: CUstream) -> CUresult {
+    releasing_pools(|| forward!(MISSING, cuStreamSynchronize(stream)))
+}
+
+unsafe fn stream_sync_ptsz(stream: CUstream) -> CUresult {
+    releasing_pools(|| forward!(MISSING, cuStreamSynchronize_ptsz(stream)))
+}
+
+unsafe fn ctx_sync() -> CUresult {
+    releasing_pools(|| forward!(MISSING, cuCtxSynchronize()))
+}
+
+unsafe fn event_sync(event: CUevent) -> CUresult {
+    releasing_pools(|| forward!(MISSING, cuEventSynchronize(event)))
+}
+
 unsafe fn pool_trim(pool: CUmemoryPool, keep: usize) -> CUresult {
     let v = match cuda() {
         Ok(v) => v,
         Err(e) => return e,
     };
-    let rc = forward!(MISSING, cuMemPoolTrimTo(pool, keep));
+    let rc = {
+        let _shared = v.pool_sync.read();
+        forward!(MISSING, cuMemPoolTrimTo(pool, keep))
+    };
     if rc == CUDA_SUCCESS {
         let dev = v.objs.lock().pools.get(&(pool as usize)).map(|e| e.0);
         if let Some(dev) = dev {
@@ -1019,8 +1097,16 @@ mod tests {
 
     #[test]
     fn array_estimates_use_bytes_not_bits() {
-        assert_eq!(array_estimate(1024, 1024, 0, 0x02, 4), 8 << 20);
-        assert_eq!(array_estimate(100, 0, 0, 0x20, 1), 400);
-        assert_eq!(array_estimate(4, 4, 4, 0x01, 2), 128);
+        assert_eq!(array_bytes(1024, 1024, 0, 0x02, 4), 8 << 20);
+        assert_eq!(array_bytes(100, 0, 0, 0x20, 1), 400);
+        assert_eq!(array_bytes(4, 4, 4, 0x01, 2), 128);
+        // reservations round up to the driver's array granule (64 KiB until it shows more)
+        assert_eq!(array_estimate(400), 64 << 10);
+        assert_eq!(array_estimate(64 << 10), 64 << 10);
+        // an aligned size teaches nothing; a rounded one teaches the smallest rounding
+        learn_array_granule(8 << 20, 8 << 20);
+        assert_eq!(array_estimate(65537), 128 << 10);
+        learn_array_granule(65537, 128 << 10);
+        assert_eq!(array_estimate(65537), 128 << 10);
     }
 }

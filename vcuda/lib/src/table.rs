@@ -1,7 +1,7 @@
 //! Live allocations of this process: device pointer → (size, GPU, kind), so a free releases
 //! exactly what its allocation reserved. On the allocation hot path, so it is a lock-free
 //! open-addressing table (linear probing, tombstones reused by inserts): an insert is one
-//! compare-and-swap, a remove a probe and one compare-and-swap. A probe that runs past
+//! compare-and-swap, a remove a probe and one plain store. A probe that runs past
 //! `MAX_PROBE` slots spills into a locked overflow map, which stays empty in practice.
 //!
 //! Keys are device pointers, never 0 (empty) or 1 (tombstone). A key is inserted after the
@@ -117,11 +117,12 @@ impl AllocTable {
             let e = &self.slots[(h + i) & self.mask];
             let cur = e.key.load(Acquire);
             if cur == key {
+                // Only this thread can be removing `key` (the driver has not handed it out
+                // again yet), and no insert targets a slot holding a live key: a plain store
+                // frees the slot.
                 let v = e.val.load(Acquire);
-                if e.key.compare_exchange(key, TOMB, Release, Relaxed).is_ok() {
-                    return Some(Rec::unpack(v));
-                }
-                return None;
+                e.key.store(TOMB, Release);
+                return Some(Rec::unpack(v));
             }
             if cur == EMPTY {
                 break;

@@ -701,6 +701,13 @@ impl State {
 
     /// Charge `bytes` of device memory on GPU `g` to process `p`; false if the GPU is full.
     pub fn charge(&self, g: usize, p: &ProcHandle, bytes: u64) -> bool {
+        // The real driver frees a process's memory the moment it dies; gpusim notices deaths
+        // lazily. Before a charge could set a new high-water mark, reclaim the dead, so the
+        // peak never counts a dead process's memory together with a live one's.
+        let gpu = self.gpu(g);
+        if gpu.mem_used.load(Relaxed).saturating_add(bytes) > gpu.mem_peak.load(Relaxed) {
+            self.reap_dead();
+        }
         if self.try_charge(g, p, bytes) {
             return true;
         }

@@ -14,7 +14,8 @@ use crate::va::Region;
 
 /// Allocation granularity of linear memory.
 pub const ALIGN: u64 = 512;
-/// Address space reserved for 32-bit allocations.
+/// Address space reserved for 32-bit allocations (at most; less if the kernel has less below
+/// 2 GiB).
 const LOW_REGION: u64 = 1 << 30;
 
 /// The device's address-space region, mapped on first use.
@@ -47,7 +48,10 @@ pub fn alloc(
     let align = if span >= 2 << 20 { 2 << 20 } else { ALIGN };
     let addr = if kind == AllocKind::Low {
         if inner.low.is_none() {
-            inner.low = Some(Region::map(LOW_REGION, true).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?);
+            // The window MAP_32BIT can use is under 2 GiB and shrinks with address-space
+            // randomisation: take the largest region that fits.
+            let low = (0..4).find_map(|i| Region::map(LOW_REGION >> i, true));
+            inner.low = Some(low.ok_or(CUDA_ERROR_OUT_OF_MEMORY)?);
         }
         inner
             .low

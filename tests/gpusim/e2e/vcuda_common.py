@@ -1,0 +1,129 @@
+"""Helpers shared by the libvcuda tests (test_vcuda_*.py): the C programs they build, a
+line-driven CUDA shell (c/vcuda_shell.c) to step a process through allocations, a reader for
+the container's region file, and gpusim's memory accounting written out as arithmetic."""
+
+import struct
+import subprocess
+
+from conftest import HERE, LIB
+
+C = HERE / "c"
+MiB = 1 << 20
+KiB = 1 << 10
+
+# gpusim's default machine (tests/gpusim/README.md "Configuration" and "Memory")
+CONTEXT = 300 * MiB  # context_overhead_mib = 300
+MODULE = 1 * MiB  # module_overhead_kib = 1024
+ALLOC_GRANULE = 512  # cuMemAlloc(_v2), cuMemAllocManaged, cuMemAllocPitch_v2: rounded up to 512 B
+ARRAY_GRANULE = 64 * KiB  # arrays and mipmapped arrays: rounded up to 64 KiB
+VMM_GRANULE = 2 * MiB  # cuMemCreate sizes are multiples of it; pools grow in steps of it
+CUDA_SUCCESS = 0
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_NOT_PERMITTED = 800
+CU_AD_FORMAT_UNSIGNED_INT8 = 0x01
+CU_AD_FORMAT_UNSIGNED_INT16 = 0x02
+CU_AD_FORMAT_FLOAT = 0x20
+
+
+def round_up(n, granule):
+    return -(-n // granule) * granule
+
+
+def build(cc, out, name, *extra, link_cuda=True):
+    args = ["-L", str(LIB), "-lcuda"] if link_cuda else []
+    return cc(C / f"{name}.c", out / name, *args, *extra)
+
+
+class Shell:
+    """A running c/vcuda_shell.c: `do("alloc 4096")` sends one command and returns its reply
+    as a dict of ints ({"rc": 0, "id": 3, ...})."""
+
+    def __init__(self, env_owner, program, name="shell", prefix=()):
+        self.name = name
+        self.p = env_owner.popen([*prefix, program], stdin=subprocess.PIPE)
+        self.pid = self.p.pid
+
+    def do(self, cmd):
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            self.p.wait(timeout=10)
+            raise AssertionError(f"{self.name}: no reply to {cmd!r}; exit {self.p.returncode}\n{self.p.stderr.read()}")
+        return {k: int(v) for k, v in (f.split("=", 1) for f in line.split())}
+
+    def ok(self, cmd):
+        r = self.do(cmd)
+        assert r["rc"] == CUDA_SUCCESS, f"{self.name}: {cmd!r} -> {r}"
+        return r
+
+    def rc(self, cmd):
+        return self.do(cmd)["rc"]
+
+    def start(self, module=True):
+        """cuInit, a context on device 0, and (by default) one module: 301 MiB on gpusim."""
+        self.ok("init")
+        self.ok("ctx 0")
+        if module:
+            self.ok("module")
+        return self
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self.do("quit")
+            except (AssertionError, BrokenPipeError):
+                pass
+            try:
+                self.p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        return self.p.stderr.read()
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+
+
+# ---- the region file (vcuda/contract/src/region.rs, layout version 2) ----------------------
+
+REGION_HEADER = 4096
+SLOT_SIZE = 256
+MAX_PROCS = 64
+MAX_GPUS = 8
+SLOT_ACTIVE = 1
+
+
+def region_slots(path):
+    """The region's active process slots: [{"pid", "api": [bytes per GPU], "hidden": [...]}]."""
+    data = path.read_bytes()
+    num_gpus = struct.unpack_from("<I", data, 12)[0]
+    out = []
+    for i in range(MAX_PROCS):
+        off = REGION_HEADER + i * SLOT_SIZE
+        state, pid = struct.unpack_from("<II", data, off)
+        if state != SLOT_ACTIVE:
+            continue
+        # api: bytes in the low 48 bits, a change count in the high 16 (region.rs API_BYTES)
+        api = [a & ((1 << 48) - 1) for a in struct.unpack_from(f"<{MAX_GPUS}Q", data, off + 24)[:num_gpus]]
+        hidden = struct.unpack_from(f"<{MAX_GPUS}Q", data, off + 24 + 8 * MAX_GPUS)[:num_gpus]
+        out.append({"slot": i, "pid": pid, "api": list(api), "hidden": list(hidden)})
+    return out
+
+
+def region_used(path, gpu=0):
+    """What the region says the container holds on `gpu` (all processes)."""
+    return sum(s["api"][gpu] + s["hidden"][gpu] for s in region_slots(path))
+
+
+def gpu_status(sim, gpu=0):
+    return sim.status()["gpus"][gpu]
+
+
+def proc_memory(sim, pid, gpu=0):
+    """gpusim's charge for one process on `gpu` (None if it has no context there)."""
+    for p in gpu_status(sim, gpu)["processes"]:
+        if p["pid"] == pid:
+            return p["memory"]
+    return None
