@@ -13,6 +13,7 @@
 //! uuid = "GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d401"
 //! memory_mib = 4096                          # device-memory quota
 //! core = 30                                  # compute share, percent (100 or more: exclusive)
+//! # core_limit = 60                          # elastic: may burst to 60 % while the GPU idles
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -38,6 +39,11 @@ pub struct GpuLimit {
     /// Compute share in percent of the GPU (100 or more: exclusive, no throttling).
     #[serde(default = "full")]
     pub core: u32,
+    /// Elastic upper bound in percent (GPUManager's `vcuda-core-limit`): the container may
+    /// use up to this while the GPU has idle capacity, and is guaranteed `core`. Absent or
+    /// equal to `core`: a hard limit.
+    #[serde(default)]
+    pub core_limit: Option<u32>,
 }
 
 fn full() -> u32 {
@@ -176,6 +182,17 @@ impl ContainerConfig {
                     format!("gpu {i}: core must be 1..=100 (percent; 100 or more is exclusive)"),
                 ));
             }
+            if let Some(l) = g.core_limit {
+                if l < g.core || l > 100 {
+                    return Err(invalid(
+                        at,
+                        format!(
+                            "gpu {i}: core_limit = {l} must be between core ({}) and 100",
+                            g.core
+                        ),
+                    ));
+                }
+            }
             gpus.push(g);
         }
         Ok(ContainerConfig {
@@ -218,6 +235,9 @@ impl ContainerConfig {
                 g.memory_mib,
                 g.core
             );
+            if let Some(l) = g.core_limit {
+                s += &format!("core_limit = {l}\n");
+            }
         }
         s
     }
@@ -274,6 +294,19 @@ core = 30
         let c = ContainerConfig::parse(GOOD, "c.toml").unwrap();
         assert_eq!(c.gpu[0].memory_mib, 4096);
         assert_eq!(c.gpu[0].core, 30);
+        assert_eq!(c.gpu[0].core_limit, None);
+        let e = ContainerConfig::parse(
+            &GOOD.replace("core = 30", "core = 30\ncore_limit = 20"),
+            "c",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("core_limit"), "{e}");
+        let el = ContainerConfig::parse(
+            &GOOD.replace("core = 30", "core = 30\ncore_limit = 80"),
+            "c",
+        )
+        .unwrap();
+        assert_eq!(ContainerConfig::parse(&el.to_toml(), "x").unwrap(), el);
         assert_eq!(c.cuda_library, "libcuda.so.1");
         assert_eq!(ContainerConfig::parse(&c.to_toml(), "x").unwrap(), c);
         assert_eq!(

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use crate::config::MAX_GPUS;
 
 pub const REGION_MAGIC: u64 = u64::from_le_bytes(*b"VCUDARGN");
-pub const REGION_VERSION: u32 = 2;
+pub const REGION_VERSION: u32 = 3;
 /// `Slot::api` holds bytes in its low 48 bits and a change count in its high 16: every
 /// reservation and release bumps the count in the same atomic operation, so a reader can
 /// tell whether the counter moved between two reads at no cost to the hot path.
@@ -61,6 +61,10 @@ pub struct RegionHeader {
     pub ctx_cost: [AtomicU64; MAX_GPUS],
     /// Device memory a module load was last measured to cost.
     pub module_cost: [AtomicU64; MAX_GPUS],
+    /// Compute share set at run time by the manager, in ppm of the GPU (0: the config's).
+    pub core_override: [AtomicU64; MAX_GPUS],
+    /// Elastic upper bound set at run time, in ppm (0: the config's).
+    pub core_limit_override: [AtomicU64; MAX_GPUS],
 }
 
 /// One process's share of the region. 128-byte aligned so processes updating their own
@@ -81,6 +85,10 @@ pub struct Slot {
     /// Bytes the driver charges the process beyond its allocations (contexts, modules,
     /// limits), per GPU, as last measured.
     pub hidden: [AtomicU64; MAX_GPUS],
+    /// Monotonic ns at which the process last launched work on each GPU (updated by its
+    /// limiter about every 50 ms, not per launch): the container's share is split among the
+    /// processes launching on a GPU.
+    pub launched_at: [AtomicU64; MAX_GPUS],
 }
 
 const HEADER_SIZE: usize = 4096;
@@ -308,6 +316,15 @@ impl Region {
         unsafe { &*(self.base as *const RegionHeader) }
     }
 
+    /// Set GPU `dev`'s compute share and elastic limit at run time, in ppm of the GPU (0:
+    /// back to the config's; a share of 1 000 000 or more is exclusive). Every process of the
+    /// container applies it within its limiter's next tick (50 ms).
+    pub fn set_core(&self, dev: usize, share_ppm: u64, limit_ppm: u64) {
+        let h = self.header();
+        h.core_override[dev].store(share_ppm, Relaxed);
+        h.core_limit_override[dev].store(limit_ppm, Relaxed);
+    }
+
     pub fn slots(&self) -> &[Slot] {
         // SAFETY: MAX_PROCS slots follow the 4 KiB header inside the mapping.
         unsafe { std::slice::from_raw_parts(self.base.add(HEADER_SIZE) as *const Slot, MAX_PROCS) }
@@ -458,6 +475,7 @@ impl Region {
             for d in 0..MAX_GPUS {
                 s.api[d].store(0, Relaxed);
                 s.hidden[d].store(0, Relaxed);
+                s.launched_at[d].store(0, Relaxed);
             }
             s.state.store(SLOT_ACTIVE, Release);
             self.header().slots_used.fetch_max(i as u32 + 1, AcqRel);
@@ -537,6 +555,7 @@ fn zero(s: &Slot) {
     for d in 0..MAX_GPUS {
         s.api[d].store(0, Release);
         s.hidden[d].store(0, Release);
+        s.launched_at[d].store(0, Release);
     }
 }
 
@@ -618,9 +637,24 @@ mod tests {
     }
 
     #[test]
+    fn run_time_shares_are_seen_by_every_opener() {
+        let (d, r) = region();
+        r.set_core(1, 250_000, 600_000);
+        let other = Region::open_or_create(&d.path().join("region"), &[U0, U1]).unwrap();
+        assert_eq!(other.header().core_override[1].load(Relaxed), 250_000);
+        assert_eq!(other.header().core_limit_override[1].load(Relaxed), 600_000);
+        assert_eq!(other.header().core_override[0].load(Relaxed), 0);
+    }
+
+    #[test]
     fn layout_is_stable() {
         assert_eq!(std::mem::size_of::<Slot>(), 256);
         assert_eq!(REGION_SIZE, 4096 + 64 * 256);
+        assert!(std::mem::size_of::<RegionHeader>() <= 4096);
+        // Readers outside Rust (tests/gpusim/e2e/limit_common.py, the manager) use these.
+        assert_eq!(std::mem::offset_of!(RegionHeader, core_override), 288);
+        assert_eq!(std::mem::offset_of!(RegionHeader, core_limit_override), 352);
+        assert_eq!(std::mem::offset_of!(Slot, launched_at), 152);
     }
 
     #[test]
