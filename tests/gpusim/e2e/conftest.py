@@ -95,7 +95,7 @@ class Sim:
     def python(self, code, *args, **kw):
         return self.run([sys.executable, "-c", code, *args], **kw)
 
-    def container(self, quotas_mib, gpus=None, name="c0", core=100, preload=True):
+    def container(self, quotas_mib, gpus=None, name="c0", core=100, preload=True, core_limit=None):
         """A vcuda container on these GPUs: writes its config (and names its region) and
         returns an environment running programs inside it (libvcuda preloaded).
 
@@ -109,7 +109,8 @@ class Sim:
         d.mkdir(exist_ok=True)
         lines = ["version = 1", f'region = "{d / "region"}"', ""]
         for uuid, q in zip(gpus, quotas_mib):
-            lines += ["[[gpu]]", f'uuid = "{uuid}"', f"memory_mib = {q}", f"core = {core}", ""]
+            lines += ["[[gpu]]", f'uuid = "{uuid}"', f"memory_mib = {q}", f"core = {core}"]
+            lines += [f"core_limit = {core_limit}", ""] if core_limit else [""]
         (d / "vcuda.toml").write_text("\n".join(lines))
         env = dict(self.env)
         env["VCUDA_CONFIG"] = str(d / "vcuda.toml")

@@ -86,7 +86,7 @@ class Shell:
         self.p.wait()
 
 
-# ---- the region file (vcuda/contract/src/region.rs, layout version 2) ----------------------
+# ---- the region file (vcuda/contract/src/region.rs, layout version 3) ----------------------
 
 REGION_HEADER = 4096
 SLOT_SIZE = 256

@@ -41,7 +41,7 @@ const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 
 /// The pid the driver knows this process by (the manager tells us the host pid when
 /// namespaces differ; standalone, ours).
-fn driver_pid(v: &Vcuda) -> u32 {
+pub(crate) fn driver_pid(v: &Vcuda) -> u32 {
     let me = v.me();
     let host = v.region.slots()[me.index as usize].host_pid.load(Relaxed);
     if host != 0 {
@@ -380,6 +380,7 @@ fn after_teardown(v: &Vcuda) {
 fn teardown(rc: CUresult) -> CUresult {
     if rc == CUDA_SUCCESS {
         if let Ok(v) = cuda() {
+            crate::limit::forget_probes(v);
             after_teardown(v);
         }
     }

@@ -21,7 +21,14 @@ externs! {
     Cuda fn cuDevicePrimaryCtxGetState(CUdevice, *mut c_uint, *mut c_int) -> CUresult;
     Cuda fn cuCtxGetLimit(*mut usize, u32) -> CUresult;
     Cuda fn cuMemGetInfo_v2(*mut usize, *mut usize) -> CUresult;
+    Cuda fn cuEventCreate(*mut CUevent, c_uint) -> CUresult;
+    Cuda fn cuEventRecord(CUevent, CUstream) -> CUresult;
+    Cuda fn cuEventQuery(CUevent) -> CUresult;
+    Cuda fn cuEventElapsedTime(*mut f32, CUevent, CUevent) -> CUresult;
+    Cuda fn cuEventDestroy_v2(CUevent) -> CUresult;
+    Cuda fn cuStreamGetDevice(CUstream, *mut CUdevice) -> CUresult;
     Nvml fn nvmlInit_v2() -> nvmlReturn_t;
+    Nvml fn nvmlDeviceGetProcessUtilization(nvmlDevice_t, *mut nvmlProcessUtilizationSample_t, *mut c_uint, u64) -> nvmlReturn_t;
     Nvml fn nvmlDeviceGetHandleByUUID(*const std::ffi::c_char, *mut nvmlDevice_t) -> nvmlReturn_t;
     Nvml fn nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t, *mut c_uint, *mut nvmlProcessInfo_t) -> nvmlReturn_t;
     Nvml fn nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t, *mut c_uint, *mut nvmlProcessInfo_t) -> nvmlReturn_t;

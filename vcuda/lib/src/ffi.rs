@@ -23,6 +23,7 @@ pub type CUmemoryPool = *mut c_void;
 pub type CUgraph = *mut c_void;
 pub type CUgraphNode = *mut c_void;
 pub type CUgraphExec = *mut c_void;
+pub type CUfunction = *mut c_void;
 pub type CUmemGenericAllocationHandle = u64;
 pub type nvmlDevice_t = *mut c_void;
 
@@ -44,6 +45,7 @@ pub const NVML_ERROR_NOT_SUPPORTED: nvmlReturn_t = 3;
 pub const NVML_ERROR_NO_PERMISSION: nvmlReturn_t = 4;
 pub const NVML_ERROR_NOT_FOUND: nvmlReturn_t = 6;
 pub const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const NVML_ERROR_FUNCTION_NOT_FOUND: nvmlReturn_t = 13;
 pub const NVML_ERROR_UNKNOWN: nvmlReturn_t = 999;
 
@@ -65,6 +67,52 @@ pub const CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: u32 = 5;
 pub const CU_MEMPOOL_ATTR_USED_MEM_CURRENT: u32 = 7;
 pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: u32 = 2;
 pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: u32 = 12;
+
+/// `CU_STREAM_PER_THREAD`: the per-thread default stream, as a handle.
+pub const CU_STREAM_PER_THREAD: CUstream = 0x2 as CUstream;
+pub const CU_EVENT_DEFAULT: u32 = 0;
+
+/// `CUlaunchConfig` (cuLaunchKernelEx); libvcuda reads only the stream.
+#[repr(C)]
+pub struct CUlaunchConfig {
+    pub gridDimX: u32,
+    pub gridDimY: u32,
+    pub gridDimZ: u32,
+    pub blockDimX: u32,
+    pub blockDimY: u32,
+    pub blockDimZ: u32,
+    pub sharedMemBytes: u32,
+    pub hStream: CUstream,
+    pub attrs: *mut c_void,
+    pub numAttrs: u32,
+}
+
+/// `CUDA_LAUNCH_PARAMS` (cuLaunchCooperativeKernelMultiDevice); libvcuda reads the stream.
+#[repr(C)]
+pub struct CUDA_LAUNCH_PARAMS {
+    pub function: CUfunction,
+    pub gridDimX: u32,
+    pub gridDimY: u32,
+    pub gridDimZ: u32,
+    pub blockDimX: u32,
+    pub blockDimY: u32,
+    pub blockDimZ: u32,
+    pub sharedMemBytes: u32,
+    pub hStream: CUstream,
+    pub kernelParams: *mut *mut c_void,
+}
+
+/// One NVML per-process utilization sample.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct nvmlProcessUtilizationSample_t {
+    pub pid: u32,
+    pub timeStamp: u64,
+    pub smUtil: u32,
+    pub memUtil: u32,
+    pub encUtil: u32,
+    pub decUtil: u32,
+}
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -247,5 +295,10 @@ mod tests {
         assert_eq!(size_of::<nvmlMemory_v2_t>(), 40);
         assert_eq!(size_of::<nvmlProcessInfo_v1_t>(), 16);
         assert_eq!(size_of::<nvmlProcessInfo_t>(), 24);
+        assert_eq!(size_of::<CUlaunchConfig>(), 56);
+        assert_eq!(offset_of!(CUlaunchConfig, hStream), 32);
+        assert_eq!(size_of::<CUDA_LAUNCH_PARAMS>(), 56);
+        assert_eq!(offset_of!(CUDA_LAUNCH_PARAMS, hStream), 40);
+        assert_eq!(size_of::<nvmlProcessUtilizationSample_t>(), 32);
     }
 }

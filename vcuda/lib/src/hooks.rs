@@ -35,6 +35,7 @@ pub const fn cstr(s: &'static str) -> &'static CStr {
 pub fn all() -> impl Iterator<Item = &'static Hook> {
     [
         crate::memory::HOOKS,
+        crate::limit::HOOKS,
         crate::context::HOOKS,
         crate::info::HOOKS,
         crate::nvml::HOOKS,
@@ -57,6 +58,7 @@ pub fn by_name(name: &[u8]) -> Option<&'static Hook> {
 pub fn load_all(lookup: &dyn Fn(Lib, &CStr) -> *mut c_void) {
     crate::drv::load_ext(lookup);
     crate::memory::load_real(lookup);
+    crate::limit::load_real(lookup);
     crate::context::load_real(lookup);
     crate::info::load_real(lookup);
     crate::nvml::load_real(lookup);

@@ -80,6 +80,8 @@ pub struct Vcuda {
     /// Serialises this process's stream-ordered allocations among themselves (another
     /// thread's allocation could otherwise take the cached memory one counts on).
     pub pool_alloc: Mutex<()>,
+    /// The compute limiter's buckets.
+    pub limiter: crate::limit::Limiter,
 }
 
 static STATE: OnceLock<Result<Vcuda, Failure>> = OnceLock::new();
@@ -191,6 +193,7 @@ fn start_inner() -> Result<Vcuda, Failure> {
         nvml_handles: OnceLock::new(),
         pool_sync: parking_lot::RwLock::new(()),
         pool_alloc: Mutex::new(()),
+        limiter: crate::limit::Limiter::new(&cfg.gpu.iter().map(|g| g.core).collect::<Vec<_>>()),
         cfg,
     };
     // SAFETY: registering plain extern "C" functions without captured state.
@@ -199,6 +202,7 @@ fn start_inner() -> Result<Vcuda, Failure> {
         libc::pthread_atfork(None, None, Some(in_child));
     }
     start_sweeper();
+    crate::limit::start_controller();
     log!(
         INFO,
         "limits {:?} bytes, region {}",
@@ -219,6 +223,12 @@ fn pack(s: SlotId) -> u64 {
 /// room or by the sweep.
 extern "C" fn at_exit() {
     EXITING.store(true, Relaxed);
+}
+
+/// Whether background threads should stop (the process exits, or this is a forked child
+/// whose threads were not copied and are restarted by `after_fork`).
+pub fn stopping() -> bool {
+    EXITING.load(Relaxed) || FORKED.load(Relaxed)
 }
 
 extern "C" fn in_child() {
@@ -275,8 +285,10 @@ impl Vcuda {
                 "{e} (in a forked child: its allocations are refused)"
             )),
         }
+        self.limiter.reset_after_fork();
         FORKED.store(false, Release);
         start_sweeper();
+        crate::limit::start_controller();
     }
 
     /// Quota of GPU `dev` (config index).

@@ -9,6 +9,8 @@
 //!   `RTLD_NEXT` keeps its caller) and the loading of the real libraries.
 //! - [`init`]: the process-wide state, started on the first CUDA/NVML call; fails closed.
 //! - [`table`]: the lock-free pointer → size table of live allocations.
+//! - [`limit`]: the compute limiter's launch hooks, token buckets and controller thread
+//!   (its maths is the `vcuda-limiter` crate).
 //! - [`memory`], [`context`], [`info`], [`nvml`], [`procaddr`]: the wrappers.
 //! - [`capi`]: `vcuda_*`, the library's own C API (`include/vcuda.h`, cbindgen).
 
@@ -142,6 +144,7 @@ pub mod ffi;
 pub mod hooks;
 pub mod info;
 pub mod init;
+pub mod limit;
 pub mod log;
 pub mod memory;
 pub mod nvml;

@@ -1072,11 +1072,15 @@ fn after_graph_run(rc: CUresult) -> CUresult {
 }
 
 unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> CUresult {
-    after_graph_run(forward!(MISSING, cuGraphLaunch(exec, stream)))
+    after_graph_run(crate::limit::graph_launch(stream, false, || {
+        forward!(MISSING, cuGraphLaunch(exec, stream))
+    }))
 }
 
 unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult {
-    after_graph_run(forward!(MISSING, cuGraphLaunch_ptsz(exec, stream)))
+    after_graph_run(crate::limit::graph_launch(stream, true, || {
+        forward!(MISSING, cuGraphLaunch_ptsz(exec, stream))
+    }))
 }
 
 unsafe fn graph_upload(exec: CUgraphExec, stream: CUstream) -> CUresult {

@@ -1,0 +1,899 @@
+//! The compute limiter's I/O half: the launch hooks, the per-GPU token buckets they pay
+//! into, the first-launch probe, and the controller thread that feeds NVML samples to
+//! `vcuda-limiter` (the maths) and applies its answers. ARCHITECTURE.md explains the
+//! algorithm.
+//!
+//! **Hot path** (a launch under its share): one relaxed load of the launch's cost, one
+//! relaxed `fetch_sub` on this process's bucket. No lock, no system call, no allocation, and
+//! nothing shared with other processes. A launch that finds the bucket empty takes the slow
+//! path: refill from the clock, and sleep (never spin) until the debt is repaid.
+//!
+//! **Bucket layout** ([`Bucket`], one per GPU, 128-byte aligned so GPUs do not share a
+//! line). All fields are independent counters or settings, so every access is `Relaxed`:
+//! nothing is published through them, and a stale read costs at most one launch's
+//! admission at the old cost or rate, corrected on the next refill.
+//! - `tokens`: device-ns balance, may go negative by what waiting launches already paid;
+//! - `cost[class]`: device-ns charged per launch (kernel, graph); 0 = not throttled;
+//! - `rate`: device-ns earned per wall-ns, ppm;
+//! - `last_refill`: monotonic ns of the last refill (a CAS elects one refiller); 0 until
+//!   the first throttled launch, so nothing is banked before it;
+//! - `refilled`: total tokens ever added, so paid = refilled - tokens without a counter on
+//!   the hot path;
+//! - `waits`: launches that had to wait (the controller reads it as "hungry");
+//! - `waiting`: what launches still waiting have been charged (not yet paid for work that
+//!   can run, so the calibration leaves it out);
+//!   Launches admitted before their cost is known (arming and running the probe) are charged
+//!   what the probe measures once it has.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use vcuda_contract::config::MAX_GPUS;
+use vcuda_limiter as lim;
+
+use crate::ffi::*;
+use crate::init::{cuda, Vcuda};
+use crate::log::{log, DEBUG, INFO, WARN};
+
+hooks! {
+    Cuda fn cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_kernel;
+    Cuda fn cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_kernel_ptsz;
+    Cuda fn cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_ex;
+    Cuda fn cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_ex_ptsz;
+    Cuda fn cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) -> CUresult => launch_coop;
+    Cuda fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) -> CUresult => launch_coop_ptsz;
+    Cuda fn cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) -> CUresult => launch_coop_multi;
+    Cuda fn cuLaunch(f: CUfunction) -> CUresult => launch_legacy;
+    Cuda fn cuLaunchGrid(f: CUfunction, w: c_int, h: c_int) -> CUresult => launch_grid;
+    Cuda fn cuLaunchGridAsync(f: CUfunction, w: c_int, h: c_int, stream: CUstream) -> CUresult => launch_grid_async;
+}
+
+const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
+
+/// Launch classes: kernels, and graphs (whose launches cost many kernels).
+pub const KERNEL: usize = 0;
+pub const GRAPH: usize = 1;
+const CLASSES: usize = 2;
+
+/// Controller period.
+const TICK: Duration = Duration::from_millis(50);
+/// Longest single sleep of a throttled launch, so share changes reach sleepers quickly.
+const MAX_SLEEP_NS: u64 = 20_000_000;
+/// A process counts towards its container's split while it launched this recently.
+const ACTIVE_NS: u64 = 1_000_000_000;
+/// A probe whose end event has not completed after this long is abandoned.
+const PROBE_TIMEOUT_NS: u64 = 5_000_000_000;
+/// Longest a launch waits for the probe of an earlier one.
+const PROBE_WAIT_NS: u64 = 200_000_000;
+/// Sample period assumed until two NVML samples show the real one.
+const DEFAULT_PERIOD_US: u64 = 166_667;
+
+/// One GPU's token bucket (see the module docs for the layout and orderings).
+#[repr(C, align(128))]
+#[derive(Default)]
+pub struct Bucket {
+    tokens: AtomicI64,
+    cost: [AtomicU64; CLASSES],
+    rate: AtomicU64,
+    last_refill: AtomicU64,
+    refilled: AtomicU64,
+    waits: AtomicU64,
+    waiting: AtomicI64,
+}
+
+/// The first-launch probe of one GPU and class: device time of one launch, timed with
+/// events around it.
+#[derive(Clone, Copy, Default)]
+enum Probe {
+    /// Not tried yet (or abandoned because its context went away): the next throttled
+    /// launch is admitted free and arms the probe.
+    #[default]
+    Idle,
+    /// The launch after the arming one is probed: its start event then completes when the
+    /// arming kernel ends, so the probe times the kernel, not the host's gap between calls
+    /// (unless the kernels are shorter than that gap, when the gap is what they occupy).
+    /// `free`: launches admitted so far without being charged.
+    Armed { free: u32 },
+    /// Events recorded around a launch at `since` (monotonic ns); `free` launches (this one
+    /// included) wait to be charged its measurement.
+    Pending {
+        start: usize,
+        end: usize,
+        since: u64,
+        free: u32,
+    },
+    /// Measured, or failed for good.
+    Done,
+}
+
+/// The limiter state of a process.
+pub struct Limiter {
+    gpus: [Bucket; MAX_GPUS],
+    /// Probe states; taken only on the slow path.
+    probes: Mutex<[[Probe; CLASSES]; MAX_GPUS]>,
+    /// A probe's measurement (ns) for the controller to take over, 0 = none.
+    probed: [[AtomicU64; CLASSES]; MAX_GPUS],
+}
+
+impl Limiter {
+    /// Buckets for the container's GPUs: throttled at the configured share unless exclusive.
+    pub fn new(cores: &[u32]) -> Limiter {
+        let l = Limiter {
+            gpus: Default::default(),
+            probes: Mutex::new([[Probe::Idle; CLASSES]; MAX_GPUS]),
+            probed: Default::default(),
+        };
+        for (dev, &core) in cores.iter().enumerate().take(MAX_GPUS) {
+            let b = &l.gpus[dev];
+            let share = u64::from(core) * (lim::PPM / 100);
+            b.rate.store(share.min(lim::PPM), Relaxed);
+            if share < lim::PPM {
+                for c in &b.cost {
+                    c.store(lim::INITIAL_COST_NS as u64, Relaxed);
+                }
+            }
+        }
+        l
+    }
+
+    /// In a forked child: a fresh start (the parent's events and figures are not ours).
+    pub fn reset_after_fork(&self) {
+        for b in &self.gpus {
+            b.tokens.store(0, Relaxed);
+            b.last_refill.store(0, Relaxed);
+            b.refilled.store(0, Relaxed);
+            b.waits.store(0, Relaxed);
+            b.waiting.store(0, Relaxed);
+        }
+        *self.probes.lock() = [[Probe::Idle; CLASSES]; MAX_GPUS];
+    }
+}
+
+/// Monotonic clock, ns (vDSO: no system call).
+fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid out-pointer for the duration of the call.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Wall clock, µs (NVML stamps its samples with it).
+fn wall_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// What the slow path asks the wrapper to do after the real launch.
+pub enum Ticket {
+    Go,
+    /// Record the probe's end event on `stream` once the launch is queued.
+    Probe {
+        dev: usize,
+        class: usize,
+        stream: CUstream,
+    },
+}
+
+/// Admit one launch of `class` on the current context's GPU: return at once while the
+/// process is under its share, otherwise wait. `stream` is the launch's (with `ptsz`, the
+/// per-thread default stream stands for NULL).
+#[inline(always)]
+pub fn admit(v: &Vcuda, class: usize, stream: CUstream, ptsz: bool) -> Ticket {
+    let Some(dev) = v.current_dev() else {
+        return Ticket::Go;
+    };
+    admit_on(v, dev, class, stream, ptsz, true)
+}
+
+#[inline(always)]
+fn admit_on(
+    v: &Vcuda,
+    dev: usize,
+    class: usize,
+    stream: CUstream,
+    ptsz: bool,
+    probe: bool,
+) -> Ticket {
+    let Some(b) = v.limiter.gpus.get(dev) else {
+        return Ticket::Go;
+    };
+    let cost = b.cost[class].load(Relaxed);
+    if cost == 0 {
+        return Ticket::Go;
+    }
+    if b.tokens.fetch_sub(cost as i64, Relaxed) > 0 {
+        return Ticket::Go;
+    }
+    let stream = if ptsz && stream.is_null() {
+        CU_STREAM_PER_THREAD
+    } else {
+        stream
+    };
+    slow(v, dev, class, cost, stream, probe)
+}
+
+/// Add what the clock earned since the last refill (one thread wins the CAS and adds).
+fn refill(b: &Bucket, now: u64) {
+    let last = b.last_refill.load(Relaxed);
+    if last == 0 {
+        // The first launch: the clock starts now; nothing was earned before.
+        let _ = b.last_refill.compare_exchange(0, now, Relaxed, Relaxed);
+        return;
+    }
+    if now <= last
+        || b.last_refill
+            .compare_exchange(last, now, Relaxed, Relaxed)
+            .is_err()
+    {
+        return;
+    }
+    let rate = b.rate.load(Relaxed);
+    let cap = lim::capacity(b.cost[KERNEL].load(Relaxed), rate);
+    let mut added = 0;
+    let _ = b.tokens.fetch_update(Relaxed, Relaxed, |t| {
+        let (n, a) = lim::refill(t, now - last, rate, cap);
+        added = a;
+        (a > 0).then_some(n)
+    });
+    b.refilled.fetch_add(added as u64, Relaxed);
+}
+
+#[cold]
+#[inline(never)]
+fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe: bool) -> Ticket {
+    let b = &v.limiter.gpus[dev];
+    // Work captured into a graph does not run now: refund it, never wait or probe in it.
+    let mut capturing: u32 = 0;
+    if ext!(MISSING, cuStreamIsCapturing(stream, &mut capturing)) == CUDA_SUCCESS && capturing != 0
+    {
+        b.tokens.fetch_add(cost as i64, Relaxed);
+        return Ticket::Go;
+    }
+    if probe {
+        if let Some(t) = start_probe(v, dev, class, cost, stream) {
+            return t;
+        }
+    }
+    b.waiting.fetch_add(cost as i64, Relaxed);
+    let entered = mono_ns();
+    let mut waited = false;
+    let mut cost = cost;
+    loop {
+        let now = mono_ns();
+        // Until the probe has timed a launch (briefly: one kernel), the others wait for it
+        // and then pay its figure instead of the starting guess.
+        if check_probes(v, dev) && now - entered < PROBE_WAIT_NS {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
+        let cur = b.cost[class].load(Relaxed);
+        if cur == 0 {
+            break; // exclusive now
+        }
+        if cur != cost {
+            b.tokens.fetch_add(cost as i64 - cur as i64, Relaxed);
+            b.waiting.fetch_add(cur as i64 - cost as i64, Relaxed);
+            cost = cur;
+        }
+        refill(b, now);
+        let bal = b.tokens.load(Relaxed) + cost as i64;
+        if bal > 0 {
+            break;
+        }
+        if !waited {
+            b.waits.fetch_add(1, Relaxed);
+            waited = true;
+        }
+        let ns = lim::wait_ns(1 - bal, b.rate.load(Relaxed)).min(MAX_SLEEP_NS);
+        std::thread::sleep(Duration::from_nanos(ns));
+    }
+    b.waiting.fetch_sub(cost as i64, Relaxed);
+    Ticket::Go
+}
+
+/// On the first throttled launch of a class on a GPU: record a start event before it and
+/// ask the wrapper to record the end event after it.
+fn start_probe(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream) -> Option<Ticket> {
+    let mut probes = v.limiter.probes.lock();
+    let free = match probes[dev][class] {
+        Probe::Idle => {
+            probes[dev][class] = Probe::Armed { free: 1 };
+            v.limiter.gpus[dev].tokens.fetch_add(cost as i64, Relaxed);
+            return Some(Ticket::Go);
+        }
+        Probe::Armed { free } => free,
+        _ => return None,
+    };
+    let (mut start, mut end): (CUevent, CUevent) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let ok = ext!(MISSING, cuEventCreate(&mut start, CU_EVENT_DEFAULT)) == CUDA_SUCCESS
+        && ext!(MISSING, cuEventCreate(&mut end, CU_EVENT_DEFAULT)) == CUDA_SUCCESS
+        && ext!(MISSING, cuEventRecord(start, stream)) == CUDA_SUCCESS;
+    if !ok {
+        destroy_events(start, end);
+        log!(
+            DEBUG,
+            "GPU {dev}: cannot time the first launch with events; calibrating from NVML alone"
+        );
+        // The arming launch pays the starting guess after all.
+        charge(&v.limiter.gpus[dev], free, cost);
+        probes[dev][class] = Probe::Done;
+        return None;
+    }
+    probes[dev][class] = Probe::Pending {
+        start: start as usize,
+        end: end as usize,
+        since: mono_ns(),
+        free: free + 1,
+    };
+    // The probed launch is admitted now and charged what it measures once it has run.
+    v.limiter.gpus[dev].tokens.fetch_add(cost as i64, Relaxed);
+    Some(Ticket::Probe { dev, class, stream })
+}
+
+/// Charge `n` launches admitted free at `cost` each.
+fn charge(b: &Bucket, n: u32, cost: u64) {
+    b.tokens
+        .fetch_sub(i64::from(n).saturating_mul(cost as i64), Relaxed);
+}
+
+fn destroy_events(a: CUevent, b: CUevent) {
+    for e in [a, b] {
+        if !e.is_null() {
+            ext!(MISSING, cuEventDestroy_v2(e));
+        }
+    }
+}
+
+/// After the real launch: record the probe's end event (or give the probe up if the launch
+/// failed, to try again on a later launch).
+#[inline(always)]
+pub fn finish(v: &Vcuda, t: Ticket, rc: CUresult) -> CUresult {
+    if let Ticket::Probe { dev, class, stream } = t {
+        end_probe(v, dev, class, stream, rc);
+    }
+    rc
+}
+
+#[cold]
+fn end_probe(v: &Vcuda, dev: usize, class: usize, stream: CUstream, rc: CUresult) {
+    let mut probes = v.limiter.probes.lock();
+    let Probe::Pending {
+        start, end, free, ..
+    } = probes[dev][class]
+    else {
+        return;
+    };
+    if rc == CUDA_SUCCESS && ext!(MISSING, cuEventRecord(end as CUevent, stream)) == CUDA_SUCCESS {
+        return;
+    }
+    destroy_events(start as CUevent, end as CUevent);
+    let b = &v.limiter.gpus[dev];
+    probes[dev][class] = if rc == CUDA_SUCCESS {
+        charge(b, free, b.cost[class].load(Relaxed));
+        Probe::Done
+    } else {
+        // The launch failed: it ran nothing; probe the next one.
+        Probe::Armed { free: free - 1 }
+    };
+}
+
+/// Complete pending probes of `dev` whose end event has passed; returns whether one is
+/// still pending.
+fn check_probes(v: &Vcuda, dev: usize) -> bool {
+    let mut probes = v.limiter.probes.lock();
+    let mut pending = false;
+    for class in 0..CLASSES {
+        let Probe::Pending {
+            start,
+            end,
+            since,
+            free,
+        } = probes[dev][class]
+        else {
+            continue;
+        };
+        let b = &v.limiter.gpus[dev];
+        let rc = ext!(MISSING, cuEventQuery(end as CUevent));
+        if rc == CUDA_ERROR_NOT_READY && mono_ns().saturating_sub(since) < PROBE_TIMEOUT_NS {
+            pending = true;
+            continue;
+        }
+        let mut ms: f32 = 0.0;
+        if rc == CUDA_SUCCESS
+            && ext!(
+                MISSING,
+                cuEventElapsedTime(&mut ms, start as CUevent, end as CUevent)
+            ) == CUDA_SUCCESS
+        {
+            let ns = (f64::from(ms) * 1e6).clamp(lim::MIN_COST_NS, lim::MAX_COST_NS) as u64;
+            if b.cost[class].load(Relaxed) != 0 {
+                b.cost[class].store(ns, Relaxed);
+            }
+            charge(b, free, ns);
+            v.limiter.probed[dev][class].store(ns, Relaxed);
+            log!(
+                DEBUG,
+                "GPU {dev}: first launch (class {class}) took {ns} ns of device time"
+            );
+        } else {
+            log!(
+                DEBUG,
+                "GPU {dev}: the probe's events failed ({rc}); calibrating from NVML alone"
+            );
+            charge(b, free, b.cost[class].load(Relaxed));
+        }
+        destroy_events(start as CUevent, end as CUevent);
+        probes[dev][class] = Probe::Done;
+    }
+    pending
+}
+
+/// A context is going away: pending probes' events go with it. Forget them (the next
+/// throttled launch probes again).
+pub fn forget_probes(v: &Vcuda) {
+    let mut probes = v.limiter.probes.lock();
+    for p in probes.iter_mut().flatten() {
+        if let Probe::Pending { free, .. } = *p {
+            *p = Probe::Armed { free };
+        }
+    }
+}
+
+// ---- the wrappers ------------------------------------------------------------------------
+
+/// Admit, launch with `launch`, finish. Refused processes get the refusal (fail closed).
+#[inline(always)]
+fn limited(
+    class: usize,
+    stream: CUstream,
+    ptsz: bool,
+    launch: impl FnOnce() -> CUresult,
+) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let t = admit(v, class, stream, ptsz);
+    finish(v, t, launch())
+}
+
+/// `cuGraphLaunch(_ptsz)` (the hooks live with graph memory in `memory`).
+#[inline(always)]
+pub fn graph_launch(stream: CUstream, ptsz: bool, launch: impl FnOnce() -> CUresult) -> CUresult {
+    limited(GRAPH, stream, ptsz, launch)
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_kernel(
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    limited(KERNEL, stream, false, || {
+        forward!(
+            MISSING,
+            cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+        )
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_kernel_ptsz(
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    limited(KERNEL, stream, true, || {
+        forward!(
+            MISSING,
+            cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+        )
+    })
+}
+
+/// The stream a `CUlaunchConfig` names (NULL for a NULL config: the driver rejects it).
+unsafe fn config_stream(config: *const CUlaunchConfig) -> CUstream {
+    if config.is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: a non-NULL config points to a CUlaunchConfig (the caller's contract).
+    unsafe { (*config).hStream }
+}
+
+unsafe fn launch_ex(
+    config: *const CUlaunchConfig,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    // SAFETY: the caller's config, as passed.
+    let stream = unsafe { config_stream(config) };
+    limited(KERNEL, stream, false, || {
+        forward!(MISSING, cuLaunchKernelEx(config, f, params, extra))
+    })
+}
+
+unsafe fn launch_ex_ptsz(
+    config: *const CUlaunchConfig,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    // SAFETY: the caller's config, as passed.
+    let stream = unsafe { config_stream(config) };
+    limited(KERNEL, stream, true, || {
+        forward!(MISSING, cuLaunchKernelEx_ptsz(config, f, params, extra))
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_coop(
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+) -> CUresult {
+    limited(KERNEL, stream, false, || {
+        forward!(
+            MISSING,
+            cuLaunchCooperativeKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params)
+        )
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_coop_ptsz(
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+) -> CUresult {
+    limited(KERNEL, stream, true, || {
+        forward!(
+            MISSING,
+            cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, shared, stream, params)
+        )
+    })
+}
+
+/// One launch per listed device, each paid on its stream's GPU (the current GPU when the
+/// driver cannot say). The first entry may be probed.
+unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) -> CUresult {
+    let v = match cuda() {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
+    let mut ticket = Ticket::Go;
+    if !list.is_null() {
+        for i in 0..n as usize {
+            // SAFETY: list holds n entries (the caller's contract).
+            let stream = unsafe { (*list.add(i)).hStream };
+            let mut ord: CUdevice = -1;
+            let dev = if ext!(MISSING, cuStreamGetDevice(stream, &mut ord)) == CUDA_SUCCESS {
+                v.dev_of_ordinal(ord)
+            } else {
+                v.current_dev()
+            };
+            if let Some(dev) = dev {
+                let t = admit_on(v, dev, KERNEL, stream, false, i == 0);
+                if i == 0 {
+                    ticket = t;
+                }
+            }
+        }
+    }
+    finish(
+        v,
+        ticket,
+        forward!(
+            MISSING,
+            cuLaunchCooperativeKernelMultiDevice(list, n, flags)
+        ),
+    )
+}
+
+unsafe fn launch_legacy(f: CUfunction) -> CUresult {
+    limited(KERNEL, std::ptr::null_mut(), false, || {
+        forward!(MISSING, cuLaunch(f))
+    })
+}
+
+unsafe fn launch_grid(f: CUfunction, w: c_int, h: c_int) -> CUresult {
+    limited(KERNEL, std::ptr::null_mut(), false, || {
+        forward!(MISSING, cuLaunchGrid(f, w, h))
+    })
+}
+
+unsafe fn launch_grid_async(f: CUfunction, w: c_int, h: c_int, stream: CUstream) -> CUresult {
+    limited(KERNEL, stream, false, || {
+        forward!(MISSING, cuLaunchGridAsync(f, w, h, stream))
+    })
+}
+
+// ---- the controller ----------------------------------------------------------------------
+
+/// What the controller keeps per GPU between ticks.
+struct GpuCtl {
+    cal: lim::Calibrator,
+    /// Graph launch cost, ns.
+    graph_cost: f64,
+    last_paid: u64,
+    last_waits: u64,
+    /// Newest NVML sample timestamp seen (µs).
+    last_seen_us: u64,
+    /// Sample period, µs, learned from consecutive sample timestamps.
+    period_us: u64,
+    elastic_rate: u64,
+    exclusive: bool,
+    /// Whether NVML has ever shown a sample with this process's pid. Until it has, samples
+    /// without it prove nothing (the pid may be from another namespace), so none are used.
+    pid_seen: bool,
+}
+
+impl GpuCtl {
+    fn new() -> GpuCtl {
+        GpuCtl {
+            cal: lim::Calibrator::default(),
+            graph_cost: lim::INITIAL_COST_NS,
+            last_paid: 0,
+            last_waits: 0,
+            last_seen_us: 0,
+            period_us: 0,
+            elastic_rate: 0,
+            exclusive: false,
+            pid_seen: false,
+        }
+    }
+}
+
+/// Start the controller thread (also in a forked child).
+pub fn start_controller() {
+    let spawned = std::thread::Builder::new()
+        .name("vcuda-limit".into())
+        .stack_size(256 * 1024)
+        .spawn(|| {
+            let mut ctl: Vec<GpuCtl> = (0..MAX_GPUS).map(|_| GpuCtl::new()).collect();
+            let mut buf = vec![nvmlProcessUtilizationSample_t::default(); 256];
+            loop {
+                std::thread::sleep(TICK);
+                if crate::init::stopping() {
+                    return;
+                }
+                let Ok(v) = cuda() else { return };
+                for (dev, c) in ctl.iter_mut().enumerate().take(v.limits.len()) {
+                    tick(v, dev, c, &mut buf);
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        log!(WARN, "cannot start the limiter thread ({e}): launches are held to the configured share with an uncalibrated cost");
+    }
+}
+
+/// The container's share and limit on `dev` (ppm): the manager's run-time values if set,
+/// else the config's.
+fn container_share(v: &Vcuda, dev: usize) -> (u64, u64) {
+    let h = v.region.header();
+    let g = &v.cfg.gpu[dev];
+    let mut share = h.core_override[dev].load(Relaxed);
+    if share == 0 {
+        share = u64::from(g.core) * (lim::PPM / 100);
+    }
+    let mut limit = h.core_limit_override[dev].load(Relaxed);
+    if limit == 0 {
+        limit = u64::from(g.core_limit.unwrap_or(0)) * (lim::PPM / 100);
+    }
+    (share, limit.max(share))
+}
+
+fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilizationSample_t]) {
+    let b = &v.limiter.gpus[dev];
+    let now = mono_ns();
+    let (share, limit) = container_share(v, dev);
+
+    // Activity: publish when this process last launched, count the container's launchers.
+    let paid = paid_total(b);
+    let me = v.me();
+    let slots = v.region.slots();
+    if paid != c.last_paid {
+        if let Some(s) = slots.get(me.index as usize) {
+            s.launched_at[dev].store(now, Relaxed);
+        }
+    }
+    let active = slots
+        .iter()
+        .take(v.region.header().slots_used.load(Relaxed) as usize)
+        .filter(|s| {
+            let t = s.launched_at[dev].load(Relaxed);
+            t != 0 && now.saturating_sub(t) < ACTIVE_NS
+        })
+        .count()
+        .max(1) as u32;
+
+    // Exclusive: no throttling at all.
+    if share >= lim::PPM {
+        if !c.exclusive {
+            c.exclusive = true;
+            for k in &b.cost {
+                k.store(0, Relaxed);
+            }
+            log!(INFO, "GPU {dev}: exclusive, launches are not throttled");
+        }
+        c.last_paid = paid;
+        return;
+    }
+    if c.exclusive {
+        c.exclusive = false;
+        b.tokens.store(0, Relaxed);
+        log!(INFO, "GPU {dev}: shared again, launches are throttled");
+    }
+
+    // A probe's measurement replaces the estimate; graphs keep their own base cost and are
+    // rescaled with the kernel cost.
+    let kp = v.limiter.probed[dev][KERNEL].swap(0, Relaxed);
+    if kp != 0 {
+        c.cal.set_cost(kp as f64);
+    }
+    let gp = v.limiter.probed[dev][GRAPH].swap(0, Relaxed);
+    if gp != 0 {
+        c.graph_cost = gp as f64;
+    }
+    c.cal.record_paid(wall_us(), paid);
+
+    // NVML: this process's samples feed the calibration; everyone's, the elastic share.
+    let (share_p, limit_p) = (lim::split(share, active), lim::split(limit, active));
+    let newest = if paid > 0 {
+        read_samples(v, dev, c, buf)
+    } else {
+        None
+    };
+    let old = c.cal.cost_ns();
+    let new = c.cal.update();
+    if (new / old - 1.0).abs() > 0.01 {
+        log!(
+            DEBUG,
+            "GPU {dev}: launch cost estimate {old:.0} -> {new:.0} ns"
+        );
+    }
+    if new != old {
+        c.graph_cost = (c.graph_cost * new / old).clamp(lim::MIN_COST_NS, lim::MAX_COST_NS);
+    }
+    b.cost[KERNEL].store(new as u64, Relaxed);
+    b.cost[GRAPH].store(c.graph_cost as u64, Relaxed);
+
+    // The rate: the share, or for an elastic container something between share and limit.
+    let waits = b.waits.load(Relaxed);
+    let rate = if limit_p > share_p {
+        if let Some((others, own)) = newest {
+            c.elastic_rate = lim::elastic_rate(
+                c.elastic_rate,
+                share_p,
+                limit_p,
+                others,
+                own,
+                waits != c.last_waits,
+            );
+            c.last_waits = waits;
+        }
+        c.elastic_rate.clamp(share_p, limit_p)
+    } else {
+        share_p
+    };
+    b.rate.store(rate, Relaxed);
+    c.last_paid = paid;
+}
+
+/// Device time this process has paid for on a bucket, ns: what was added, less what is
+/// left, less what waiting launches were charged.
+fn paid_total(b: &Bucket) -> u64 {
+    let p = i128::from(b.refilled.load(Relaxed))
+        - i128::from(b.tokens.load(Relaxed))
+        - i128::from(b.waiting.load(Relaxed));
+    p.clamp(0, i128::from(u64::MAX)) as u64
+}
+
+/// Read NVML samples newer than the last seen; feed this process's to the calibrator.
+/// Returns (others, own) utilization of the newest complete period, if there is one.
+fn read_samples(
+    v: &Vcuda,
+    dev: usize,
+    c: &mut GpuCtl,
+    buf: &mut [nvmlProcessUtilizationSample_t],
+) -> Option<(f64, f64)> {
+    let handle = crate::nvml::real_handle(v, dev)?;
+    let mut n = buf.len() as c_uint;
+    let rc = ext!(
+        NVML_ERROR_FUNCTION_NOT_FOUND,
+        nvmlDeviceGetProcessUtilization(
+            handle as nvmlDevice_t,
+            buf.as_mut_ptr(),
+            &mut n,
+            c.last_seen_us
+        )
+    );
+    if rc != NVML_SUCCESS {
+        return None;
+    }
+    let len = (n as usize).min(buf.len());
+    let samples = &mut buf[..len];
+    samples.sort_unstable_by_key(|s| s.timeStamp);
+    let pid = crate::context::driver_pid(v);
+    let mut prev = c.last_seen_us;
+    let mut newest = None;
+    let mut i = 0;
+    while i < samples.len() {
+        let ts = samples[i].timeStamp;
+        let (mut own, mut others) = (0u32, 0u32);
+        while i < samples.len() && samples[i].timeStamp == ts {
+            if samples[i].pid == pid {
+                c.pid_seen = true;
+                own += samples[i].smUtil;
+            } else {
+                others += samples[i].smUtil;
+            }
+            i += 1;
+        }
+        if prev != 0 && ts > prev {
+            let d = ts - prev;
+            if d >= 1_000 && (c.period_us == 0 || d < c.period_us) {
+                c.period_us = d;
+            }
+            // NVML keeps no sample of a period in which no process ran. Between two samples
+            // such periods certainly had none of this process's work: they are evidence too
+            // (work paid in one of them and run in the next would otherwise look free).
+            let p = c.period_us;
+            if c.pid_seen && p != 0 && d > p + p / 2 {
+                let missing = (d + p / 2) / p - 1;
+                for j in 1..=missing.min(64) {
+                    c.cal.sample(prev + j * p, p, 0);
+                }
+            }
+        }
+        prev = ts;
+        let period = if c.period_us == 0 {
+            DEFAULT_PERIOD_US
+        } else {
+            c.period_us
+        };
+        if c.pid_seen {
+            c.cal.sample(ts, period, own);
+            newest = Some((f64::from(others) / 100.0, f64::from(own) / 100.0));
+        }
+    }
+    c.last_seen_us = prev;
+    newest
+}
