@@ -1,0 +1,1 @@
+//! vcuda-manager (being written: issue 5).

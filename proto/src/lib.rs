@@ -1,0 +1,1 @@
+//! The kubelet APIs vcuda-manager speaks (being written: issue 5).

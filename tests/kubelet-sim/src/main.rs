@@ -1,0 +1,2 @@
+//! kubelet-sim (being written: issue 5).
+fn main() {}
