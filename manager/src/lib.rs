@@ -1,1 +1,7 @@
-//! vcuda-manager (being written: issue 5).
+//! vcuda-manager: the node daemon that turns libvcuda.so into a Kubernetes feature (issue 5,
+//! being written). Pure decisions live in their own modules, I/O at the edges:
+//! - [`ids`]: device IDs (GPU UUID + kind + index; stable, ≤ 63 characters);
+//! - [`placement`]: GetPreferredAllocation and Allocate validation.
+
+pub mod ids;
+pub mod placement;
