@@ -6,6 +6,7 @@
 //! version = 1
 //! region = "/var/run/vcuda/region"          # shared by all processes of the container
 //! # socket = "/var/run/vcuda/vcuda.sock"    # the manager's control socket (optional)
+//! # allocation = "a1b2c3"                    # the manager's name for this allocation
 //! # cuda_library = "libcuda.so.1"           # the real driver (default shown)
 //! # nvml_library = "libnvidia-ml.so.1"
 //!
@@ -56,10 +57,16 @@ pub struct ContainerConfig {
     pub version: u32,
     pub region: PathBuf,
     pub socket: Option<PathBuf>,
+    /// The manager's name for this container's allocation (sent when registering over the
+    /// socket); at most [`MAX_ALLOCATION_LEN`] characters of `[A-Za-z0-9._-]`.
+    pub allocation: Option<String>,
     pub cuda_library: String,
     pub nvml_library: String,
     pub gpu: Vec<GpuLimit>,
 }
+
+/// Longest allocation name.
+pub const MAX_ALLOCATION_LEN: usize = 128;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -68,6 +75,8 @@ struct Raw {
     region: Spanned<PathBuf>,
     #[serde(default)]
     socket: Option<PathBuf>,
+    #[serde(default)]
+    allocation: Option<Spanned<String>>,
     #[serde(default = "default_cuda")]
     cuda_library: String,
     #[serde(default = "default_nvml")]
@@ -145,6 +154,20 @@ impl ContainerConfig {
                 "region must be an absolute file path".into(),
             ));
         }
+        if let Some(a) = &raw.allocation {
+            let name = a.get_ref();
+            if name.is_empty()
+                || name.len() > MAX_ALLOCATION_LEN
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+            {
+                return Err(invalid(
+                    a.span().start,
+                    format!("allocation {name:?} must be 1 to {MAX_ALLOCATION_LEN} characters of A-Z a-z 0-9 . _ -"),
+                ));
+            }
+        }
         if raw.gpu.is_empty() {
             return Err(invalid(
                 text.len(),
@@ -199,6 +222,7 @@ impl ContainerConfig {
             version: CONFIG_VERSION,
             region: raw.region.into_inner(),
             socket: raw.socket,
+            allocation: raw.allocation.map(Spanned::into_inner),
             cuda_library: raw.cuda_library,
             nvml_library: raw.nvml_library,
             gpu: gpus,
@@ -222,6 +246,9 @@ impl ContainerConfig {
         );
         if let Some(sock) = &self.socket {
             s += &format!("socket = {}\n", quote(&sock.display().to_string()));
+        }
+        if let Some(a) = &self.allocation {
+            s += &format!("allocation = {}\n", quote(a));
         }
         s += &format!(
             "cuda_library = {}\nnvml_library = {}\n",
@@ -309,6 +336,24 @@ core = 30
         assert_eq!(ContainerConfig::parse(&el.to_toml(), "x").unwrap(), el);
         assert_eq!(c.cuda_library, "libcuda.so.1");
         assert_eq!(ContainerConfig::parse(&c.to_toml(), "x").unwrap(), c);
+        let named = ContainerConfig::parse(
+            &GOOD.replace("[[gpu]]", "allocation = \"a-17.x_y\"\n\n[[gpu]]"),
+            "c",
+        )
+        .unwrap();
+        assert_eq!(named.allocation.as_deref(), Some("a-17.x_y"));
+        assert_eq!(
+            ContainerConfig::parse(&named.to_toml(), "x").unwrap(),
+            named
+        );
+        for bad in ["", "a/b", "a b", &"x".repeat(129)] {
+            let e = ContainerConfig::parse(
+                &GOOD.replace("[[gpu]]", &format!("allocation = {bad:?}\n\n[[gpu]]")),
+                "c",
+            )
+            .unwrap_err();
+            assert!(e.to_string().contains("allocation"), "{e}");
+        }
         assert_eq!(
             format_uuid(&c.uuids()[0]),
             "GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d401"
