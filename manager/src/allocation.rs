@@ -1,0 +1,442 @@
+//! Allocations: what Allocate hands a container and what PreStartContainer finishes.
+//!
+//! The kubelet calls Allocate once per resource with device IDs and no pod identity, so the
+//! `vcuda-core` Allocate creates the allocation (a directory keyed by a fresh id, holding
+//! the container's config and region) and answers every mount; the `vcuda-memory` Allocate
+//! only validates (two answers mounting the same container path would conflict, and the
+//! kubelet keeps the first). PreStartContainer, which runs after the kubelet recorded the
+//! allocation, names the pod through PodResources, checks that core and memory landed on the
+//! same GPU and writes the config the library reads. Identical replicas get distinct device
+//! IDs from the kubelet, hence distinct allocations: nothing is guessed from request sizes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use vcuda_contract::config::{ContainerConfig, GpuLimit, CONFIG_VERSION};
+
+use crate::ids::{DeviceId, Kind, MEMORY_UNIT};
+use crate::placement::{check_cores, check_memory, Cores, Node};
+
+/// Paths inside the container.
+pub const CONTAINER_LIBRARY: &str = "/usr/local/vcuda/lib64/libvcuda.so";
+pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
+pub const CONTAINER_CONFIG_DIR: &str = "/etc/vcuda";
+pub const CONTAINER_REGION_DIR: &str = "/run/vcuda/region";
+pub const CONTAINER_SOCKET_DIR: &str = "/run/vcuda/sock";
+
+/// One GPU as the manager knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gpu {
+    pub uuid: String,
+    pub memory: u64,
+    /// `/dev/nvidia<minor>`.
+    pub minor: u32,
+}
+
+/// A bind mount of an Allocate answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    pub container: String,
+    pub host: PathBuf,
+    pub read_only: bool,
+}
+
+/// A device node of an Allocate answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceNode {
+    pub container: String,
+    pub host: String,
+    pub permissions: String,
+}
+
+/// An Allocate answer for one container.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Answer {
+    pub envs: BTreeMap<String, String>,
+    pub mounts: Vec<Mount>,
+    pub devices: Vec<DeviceNode>,
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// Who an allocation belongs to, once PreStartContainer has found out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    /// From the kubelet's checkpoint, when it names one (for the cgroup check).
+    pub uid: Option<String>,
+}
+
+impl Owner {
+    pub fn key(&self) -> String {
+        format!("{}/{}/{}", self.namespace, self.pod, self.container)
+    }
+}
+
+/// One container's allocation (persisted in the manager's checkpoint).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocation {
+    pub id: String,
+    /// Its `vcuda-core` device IDs.
+    pub cores: Vec<String>,
+    /// Its GPUs.
+    pub gpus: Vec<String>,
+    /// Share of each GPU, percent (100: whole, unthrottled).
+    pub percent: u32,
+    /// Its `vcuda-memory` device IDs, once PreStartContainer has seen them.
+    pub memory: Vec<String>,
+    /// Memory quota per GPU, bytes, once known.
+    pub quota: u64,
+    /// Elastic limit, percent, if the container has one.
+    pub core_limit: Option<u32>,
+    pub owner: Option<Owner>,
+    /// Seconds since the epoch when Allocate made it.
+    pub created: u64,
+}
+
+impl Allocation {
+    /// Whether PreStartContainer has written its config.
+    pub fn finished(&self) -> bool {
+        self.owner.is_some()
+    }
+}
+
+/// The host side of an allocation's files.
+pub struct Layout {
+    pub state_dir: PathBuf,
+    pub socket_dir: PathBuf,
+    pub library: PathBuf,
+}
+
+impl Layout {
+    pub fn dir(&self, id: &str) -> PathBuf {
+        self.state_dir.join("alloc").join(id)
+    }
+    pub fn config_dir(&self, id: &str) -> PathBuf {
+        self.dir(id).join("etc")
+    }
+    pub fn config_file(&self, id: &str) -> PathBuf {
+        self.config_dir(id).join("vcuda.toml")
+    }
+    pub fn region_dir(&self, id: &str) -> PathBuf {
+        self.dir(id).join("region")
+    }
+    pub fn region_file(&self, id: &str) -> PathBuf {
+        self.region_dir(id).join("region")
+    }
+    pub fn preload_file(&self) -> PathBuf {
+        self.state_dir.join("ld.so.preload")
+    }
+}
+
+/// Parse the IDs the kubelet sent for `kind`; unknown IDs are an error naming them.
+pub fn parse_ids(kind: Kind, ids: &[String]) -> Result<Vec<DeviceId>, String> {
+    ids.iter()
+        .map(|s| {
+            DeviceId::parse(s)
+                .filter(|d| d.kind == kind)
+                .ok_or_else(|| format!("device {s:?} is not a {kind:?} device of vcuda-manager"))
+        })
+        .collect()
+}
+
+/// What the `vcuda-core` Allocate decides: the GPUs and the share.
+pub fn plan(cores: &[DeviceId]) -> Result<(Vec<String>, u32), String> {
+    Ok(match check_cores(cores)? {
+        Cores::Share { uuid, percent } => (vec![uuid], percent),
+        Cores::Whole { uuids } => (uuids, 100),
+    })
+}
+
+/// The Allocate answer of an allocation: library, preload, config, region, control socket,
+/// device nodes, and the env the NVIDIA container runtime reads to inject the driver.
+pub fn answer(layout: &Layout, alloc: &Allocation, gpus: &[Gpu]) -> Answer {
+    let mut a = Answer::default();
+    let ro = |container: &str, host: PathBuf| Mount {
+        container: container.into(),
+        host,
+        read_only: true,
+    };
+    a.mounts.push(ro(CONTAINER_LIBRARY, layout.library.clone()));
+    a.mounts.push(ro(CONTAINER_PRELOAD, layout.preload_file()));
+    a.mounts
+        .push(ro(CONTAINER_CONFIG_DIR, layout.config_dir(&alloc.id)));
+    a.mounts.push(Mount {
+        container: CONTAINER_REGION_DIR.into(),
+        host: layout.region_dir(&alloc.id),
+        read_only: false,
+    });
+    a.mounts.push(Mount {
+        container: CONTAINER_SOCKET_DIR.into(),
+        host: layout.socket_dir.clone(),
+        read_only: false,
+    });
+    let rw = |p: &str| DeviceNode {
+        container: p.into(),
+        host: p.into(),
+        permissions: "rw".into(),
+    };
+    for p in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
+        a.devices.push(rw(p));
+    }
+    for uuid in &alloc.gpus {
+        if let Some(g) = gpus.iter().find(|g| &g.uuid == uuid) {
+            a.devices.push(rw(&format!("/dev/nvidia{}", g.minor)));
+        }
+    }
+    a.envs
+        .insert("NVIDIA_VISIBLE_DEVICES".into(), alloc.gpus.join(","));
+    a.envs.insert(
+        "NVIDIA_DRIVER_CAPABILITIES".into(),
+        "compute,utility".into(),
+    );
+    a.envs.insert(
+        "VCUDA_CONFIG".into(),
+        format!("{CONTAINER_CONFIG_DIR}/vcuda.toml"),
+    );
+    a.annotations
+        .insert("vcuda.io/allocation".into(), alloc.id.clone());
+    a
+}
+
+/// The config the library reads, for a finished allocation.
+pub fn container_config(alloc: &Allocation, gpus: &[Gpu]) -> ContainerConfig {
+    let gpu = alloc
+        .gpus
+        .iter()
+        .map(|uuid| {
+            let total = gpus
+                .iter()
+                .find(|g| &g.uuid == uuid)
+                .map_or(0, |g| g.memory);
+            // Whole GPUs: the GPU's memory, still shown as the container's GPU size.
+            let quota = if alloc.percent >= 100 {
+                total
+            } else {
+                alloc.quota
+            };
+            GpuLimit {
+                uuid: uuid.clone(),
+                memory_mib: (quota >> 20).max(1),
+                core: alloc.percent.min(100),
+                core_limit: alloc.core_limit.filter(|&l| l > alloc.percent),
+            }
+        })
+        .collect();
+    ContainerConfig {
+        version: CONFIG_VERSION,
+        region: Path::new(CONTAINER_REGION_DIR).join("region"),
+        socket: Some(Path::new(CONTAINER_SOCKET_DIR).join(crate::settings::SOCKET_NAME)),
+        allocation: Some(alloc.id.clone()),
+        cuda_library: "libcuda.so.1".into(),
+        nvml_library: "libnvidia-ml.so.1".into(),
+        gpu,
+    }
+}
+
+/// What PodResources says a container holds of our two resources.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Holdings {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    pub cores: Vec<String>,
+    pub memory: Vec<String>,
+}
+
+/// PreStartContainer's decision for an allocation: the memory quota, or why the container
+/// must not start.
+pub fn finish(node: &Node, alloc: &Allocation, held: &Holdings) -> Result<u64, String> {
+    let who = format!(
+        "{}/{} container {}",
+        held.namespace, held.pod, held.container
+    );
+    if alloc.percent >= 100 {
+        // Whole GPUs: memory requests, if any, must be on them; the quota is the GPU.
+        if !held.memory.is_empty() {
+            let mem = parse_ids(Kind::Memory, &held.memory)?;
+            if let Some(m) = mem.iter().find(|m| !alloc.gpus.contains(&m.uuid)) {
+                return Err(format!("{who}: vcuda-memory landed on GPU {} but its whole GPUs are {}; delete the pod to retry", m.uuid, alloc.gpus.join(", ")));
+            }
+        }
+        return Ok(0);
+    }
+    if held.memory.is_empty() {
+        return Err(format!(
+            "{who}: a share of a GPU (vcuda-core {}) needs vcuda-memory too (1 = 256 MiB); add it to the container's requests and limits",
+            alloc.percent
+        ));
+    }
+    let mem = parse_ids(Kind::Memory, &held.memory)?;
+    let (uuid, bytes) = check_memory(node, &mem).map_err(|e| format!("{who}: {e}"))?;
+    if Some(&uuid) != alloc.gpus.first() {
+        return Err(format!(
+            "{who}: vcuda-core landed on GPU {} and vcuda-memory on GPU {uuid}; a container's share and memory must be on one GPU. Delete the pod to retry (the scheduler extender prevents this on multi-GPU nodes)",
+            alloc.gpus.first().map_or("?", String::as_str)
+        ));
+    }
+    debug_assert_eq!(bytes % MEMORY_UNIT, 0);
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::all_ids;
+    use crate::placement::Link;
+
+    const U0: &str = "GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d401";
+    const U1: &str = "GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d402";
+
+    fn node() -> Node {
+        Node {
+            uuids: vec![U0.into(), U1.into()],
+            memory: vec![40 << 30; 2],
+            links: vec![vec![Link::NvLink(12); 2]; 2],
+        }
+    }
+
+    fn gpus() -> Vec<Gpu> {
+        vec![
+            Gpu {
+                uuid: U0.into(),
+                memory: 40 << 30,
+                minor: 0,
+            },
+            Gpu {
+                uuid: U1.into(),
+                memory: 40 << 30,
+                minor: 1,
+            },
+        ]
+    }
+
+    fn ids(uuid: &str, kind: Kind, n: usize) -> Vec<String> {
+        all_ids(uuid, kind, 40 << 30)
+            .into_iter()
+            .take(n)
+            .map(|d| d.to_string())
+            .collect()
+    }
+
+    fn alloc(percent: u32, gpus: &[&str]) -> Allocation {
+        Allocation {
+            id: "a1".into(),
+            cores: vec![],
+            gpus: gpus.iter().map(|s| s.to_string()).collect(),
+            percent,
+            memory: vec![],
+            quota: 0,
+            core_limit: None,
+            owner: None,
+            created: 0,
+        }
+    }
+
+    #[test]
+    fn the_answer_mounts_everything_the_library_needs() {
+        let layout = Layout {
+            state_dir: "/var/lib/vcuda".into(),
+            socket_dir: "/run/vcuda/sock".into(),
+            library: "/opt/vcuda/libvcuda.so".into(),
+        };
+        let a = answer(&layout, &alloc(30, &[U1]), &gpus());
+        let paths: Vec<&str> = a.mounts.iter().map(|m| m.container.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                CONTAINER_LIBRARY,
+                CONTAINER_PRELOAD,
+                CONTAINER_CONFIG_DIR,
+                CONTAINER_REGION_DIR,
+                CONTAINER_SOCKET_DIR
+            ]
+        );
+        assert!(
+            a.mounts[..3].iter().all(|m| m.read_only),
+            "library, preload and config are read-only"
+        );
+        assert_eq!(a.mounts[2].host, Path::new("/var/lib/vcuda/alloc/a1/etc"));
+        assert!(a.devices.iter().any(|d| d.host == "/dev/nvidia1"));
+        assert!(
+            !a.devices.iter().any(|d| d.host == "/dev/nvidia0"),
+            "only its GPU"
+        );
+        assert_eq!(a.envs["NVIDIA_VISIBLE_DEVICES"], U1);
+    }
+
+    #[test]
+    fn the_config_holds_share_quota_and_limit() {
+        let mut a = alloc(30, &[U0]);
+        a.quota = 4 << 30;
+        a.core_limit = Some(60);
+        let c = container_config(&a, &gpus());
+        assert_eq!(c.gpu.len(), 1);
+        assert_eq!(
+            (c.gpu[0].memory_mib, c.gpu[0].core, c.gpu[0].core_limit),
+            (4096, 30, Some(60))
+        );
+        assert_eq!(c.allocation.as_deref(), Some("a1"));
+        // it parses back as the library will read it
+        assert_eq!(ContainerConfig::parse(&c.to_toml(), "x").unwrap(), c);
+        let w = container_config(&alloc(100, &[U0, U1]), &gpus());
+        assert_eq!(w.gpu.len(), 2);
+        assert!(
+            w.gpu.iter().all(|g| g.core == 100 && g.memory_mib == 40960),
+            "whole GPUs: unthrottled, GPU-sized"
+        );
+    }
+
+    #[test]
+    fn pre_start_refuses_what_would_run_wrong() {
+        let n = node();
+        let held = |cores: Vec<String>, memory: Vec<String>| Holdings {
+            namespace: "ns".into(),
+            pod: "p".into(),
+            container: "c".into(),
+            cores,
+            memory,
+        };
+        let a = alloc(30, &[U0]);
+        assert_eq!(
+            finish(
+                &n,
+                &a,
+                &held(ids(U0, Kind::Core, 30), ids(U0, Kind::Memory, 16))
+            ),
+            Ok(4 << 30)
+        );
+        let e = finish(
+            &n,
+            &a,
+            &held(ids(U0, Kind::Core, 30), ids(U1, Kind::Memory, 16)),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("one GPU") && e.contains("ns/p container c"),
+            "{e}"
+        );
+        let e = finish(&n, &a, &held(ids(U0, Kind::Core, 30), vec![])).unwrap_err();
+        assert!(e.contains("needs vcuda-memory"), "{e}");
+        assert_eq!(
+            finish(
+                &n,
+                &alloc(100, &[U0]),
+                &held(ids(U0, Kind::Core, 100), vec![])
+            ),
+            Ok(0)
+        );
+    }
+
+    #[test]
+    fn plans_follow_the_core_ids() {
+        let c: Vec<DeviceId> = parse_ids(Kind::Core, &ids(U1, Kind::Core, 25)).unwrap();
+        assert_eq!(plan(&c), Ok((vec![U1.to_string()], 25)));
+        assert!(
+            parse_ids(Kind::Core, &ids(U1, Kind::Memory, 1)).is_err(),
+            "memory IDs sent to the core plugin"
+        );
+    }
+}

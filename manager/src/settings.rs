@@ -1,0 +1,299 @@
+//! The manager's settings: a TOML file (`--config`, optional) overlaid by flags. Every key
+//! has a flag of the same name with dashes, and a safe default for a standard kubelet.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use serde::Deserialize;
+
+/// XIDs that do not make a GPU unhealthy by default: application errors (13 graphics
+/// engine exception, 31 memory page fault, 43 GPU stopped processing, 45 preemptive
+/// cleanup, 68 video processor exception, 109 context switch timeout) — NVIDIA's device
+/// plugin's list, which an application triggers without the GPU being broken.
+pub const DEFAULT_XID_IGNORE: [u64; 6] = [13, 31, 43, 45, 68, 109];
+
+/// `vcuda-manager`: the vcuda node daemon. A kubelet device plugin for `<domain>/vcuda-core`
+/// (100 per GPU, 1 % each) and `<domain>/vcuda-memory` (one per 256 MiB), which mounts
+/// libvcuda.so into the containers given them and holds them to their share; a control
+/// socket the library registers over; a control loop that samples the GPUs, writes shares,
+/// reclaims and watches for bypass.
+///
+/// Settings come from `--config FILE` (TOML, keys as the flags without dashes: e.g.
+/// `device_plugin_dir = "/var/lib/kubelet/device-plugins"`) and then from flags, which win.
+#[derive(Debug, Parser, Default)]
+#[command(name = "vcuda-manager", version, about, long_about)]
+pub struct Flags {
+    /// TOML settings file; flags override it. Missing is an error only if given explicitly.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// The kubelet's device-plugin directory (kubelet.sock lives there; our sockets go there).
+    #[arg(long, value_name = "DIR")]
+    pub device_plugin_dir: Option<PathBuf>,
+    /// The kubelet's PodResources socket.
+    #[arg(long, value_name = "PATH")]
+    pub pod_resources_socket: Option<PathBuf>,
+    /// The kubelet's device-manager checkpoint (read only, to learn pod UIDs).
+    #[arg(long, value_name = "PATH")]
+    pub kubelet_checkpoint: Option<PathBuf>,
+    /// Resource domain: resources are `<domain>/vcuda-core` and `<domain>/vcuda-memory`.
+    #[arg(long)]
+    pub domain: Option<String>,
+    /// Where allocations (configs, regions) and the manager's checkpoint are kept.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Where the control socket is made (its directory is mounted into containers).
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+    /// libvcuda.so on the host, mounted read-only into every container.
+    #[arg(long, value_name = "PATH")]
+    pub library: Option<PathBuf>,
+    /// NVML library to load (default: the system's libnvidia-ml.so.1).
+    #[arg(long, value_name = "PATH")]
+    pub nvml_library: Option<PathBuf>,
+    /// XIDs that do not mark a GPU unhealthy (comma-separated).
+    #[arg(long, value_delimiter = ',', value_name = "XID,...")]
+    pub xid_ignore: Option<Vec<u64>>,
+    /// Seconds without a new fatal XID after which an unhealthy GPU that answers NVML is
+    /// advertised healthy again.
+    #[arg(long, value_name = "SECONDS")]
+    pub recover_after: Option<u64>,
+    /// Where host processes' /proc entries are read (for checking a registering process's
+    /// cgroup); tests point it at a fake tree.
+    #[arg(long, value_name = "DIR")]
+    pub proc_root: Option<PathBuf>,
+    /// Kill the processes of a container whose driver-reported memory exceeds its quota
+    /// (default: report only, with a log line and a metric).
+    #[arg(long)]
+    pub watchdog_kill: bool,
+    /// Elastic limits without an API server: `NAMESPACE/POD/CONTAINER=PERCENT` (repeatable);
+    /// the container may use up to PERCENT while the GPU idles (GPUManager's
+    /// `vcuda-core-limit`).
+    #[arg(long = "core-limit", value_name = "NS/POD/CONTAINER=PERCENT")]
+    pub core_limit: Vec<String>,
+    /// Log filter (tracing's env-filter syntax), e.g. `info` or `vcuda_manager=debug`.
+    #[arg(long, value_name = "FILTER")]
+    pub log: Option<String>,
+}
+
+/// The settings file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    device_plugin_dir: Option<PathBuf>,
+    pod_resources_socket: Option<PathBuf>,
+    kubelet_checkpoint: Option<PathBuf>,
+    domain: Option<String>,
+    state_dir: Option<PathBuf>,
+    run_dir: Option<PathBuf>,
+    library: Option<PathBuf>,
+    nvml_library: Option<PathBuf>,
+    xid_ignore: Option<Vec<u64>>,
+    recover_after: Option<u64>,
+    proc_root: Option<PathBuf>,
+    watchdog_kill: Option<bool>,
+    #[serde(default)]
+    core_limit: BTreeMap<String, u32>,
+    log: Option<String>,
+}
+
+/// The effective settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub device_plugin_dir: PathBuf,
+    pub pod_resources_socket: PathBuf,
+    pub kubelet_checkpoint: PathBuf,
+    pub domain: String,
+    pub state_dir: PathBuf,
+    pub run_dir: PathBuf,
+    pub library: PathBuf,
+    pub nvml_library: Option<PathBuf>,
+    pub xid_ignore: Vec<u64>,
+    pub recover_after: u64,
+    pub proc_root: PathBuf,
+    pub watchdog_kill: bool,
+    /// "namespace/pod/container" → elastic limit, percent.
+    pub core_limit: BTreeMap<String, u32>,
+    pub log: String,
+}
+
+/// Where the control socket sits inside `run_dir` (and, mounted, inside containers).
+pub const SOCKET_NAME: &str = "manager.sock";
+
+impl Settings {
+    /// Flags over the file over defaults.
+    pub fn load(flags: &Flags) -> Result<Settings, String> {
+        let file = match &flags.config {
+            Some(p) => read_file(p)?,
+            None => File::default(),
+        };
+        let plugin_dir = pick(
+            &flags.device_plugin_dir,
+            &file.device_plugin_dir,
+            "/var/lib/kubelet/device-plugins",
+        );
+        let mut core_limit = file.core_limit.clone();
+        for spec in &flags.core_limit {
+            let (key, pct) = parse_core_limit(spec)?;
+            core_limit.insert(key, pct);
+        }
+        for (k, v) in &core_limit {
+            if k.split('/').count() != 3 || !(1..=100).contains(v) {
+                return Err(format!(
+                    "core_limit {k:?} = {v}: expected \"namespace/pod/container\" = 1..100"
+                ));
+            }
+        }
+        let domain = flags
+            .domain
+            .clone()
+            .or(file.domain)
+            .unwrap_or_else(|| "tencent.com".into());
+        if domain.is_empty() || domain.contains('/') || domain.ends_with("kubernetes.io") {
+            return Err(format!(
+                "domain {domain:?} is not usable: resources are <domain>/vcuda-core, outside kubernetes.io"
+            ));
+        }
+        Ok(Settings {
+            kubelet_checkpoint: flags
+                .kubelet_checkpoint
+                .clone()
+                .or(file.kubelet_checkpoint)
+                .unwrap_or_else(|| plugin_dir.join("kubelet_internal_checkpoint")),
+            device_plugin_dir: plugin_dir,
+            pod_resources_socket: pick(
+                &flags.pod_resources_socket,
+                &file.pod_resources_socket,
+                "/var/lib/kubelet/pod-resources/kubelet.sock",
+            ),
+            domain,
+            state_dir: pick(&flags.state_dir, &file.state_dir, "/var/lib/vcuda"),
+            run_dir: pick(&flags.run_dir, &file.run_dir, "/run/vcuda"),
+            library: pick(
+                &flags.library,
+                &file.library,
+                "/usr/local/vcuda/lib64/libvcuda.so",
+            ),
+            nvml_library: flags.nvml_library.clone().or(file.nvml_library),
+            xid_ignore: flags
+                .xid_ignore
+                .clone()
+                .or(file.xid_ignore)
+                .unwrap_or_else(|| DEFAULT_XID_IGNORE.to_vec()),
+            recover_after: flags.recover_after.or(file.recover_after).unwrap_or(300),
+            proc_root: pick(&flags.proc_root, &file.proc_root, "/proc"),
+            watchdog_kill: flags.watchdog_kill || file.watchdog_kill.unwrap_or(false),
+            core_limit,
+            log: flags
+                .log
+                .clone()
+                .or(file.log)
+                .unwrap_or_else(|| "info".into()),
+        })
+    }
+
+    /// The control socket's path on the host.
+    pub fn socket_path(&self) -> PathBuf {
+        self.run_dir.join("sock").join(SOCKET_NAME)
+    }
+}
+
+fn pick(flag: &Option<PathBuf>, file: &Option<PathBuf>, default: &str) -> PathBuf {
+    flag.clone()
+        .or_else(|| file.clone())
+        .unwrap_or_else(|| PathBuf::from(default))
+}
+
+fn read_file(p: &Path) -> Result<File, String> {
+    let text =
+        std::fs::read_to_string(p).map_err(|e| format!("settings file {}: {e}", p.display()))?;
+    toml::from_str(&text).map_err(|e| {
+        let line = e
+            .span()
+            .map_or(0, |s| text[..s.start].matches('\n').count() + 1);
+        format!(
+            "settings file {}: line {line}: {}",
+            p.display(),
+            e.message().trim()
+        )
+    })
+}
+
+/// `ns/pod/container=80` → ("ns/pod/container", 80).
+pub fn parse_core_limit(spec: &str) -> Result<(String, u32), String> {
+    let (key, pct) = spec.split_once('=').ok_or_else(|| {
+        format!("--core-limit {spec:?}: expected NAMESPACE/POD/CONTAINER=PERCENT")
+    })?;
+    let pct: u32 = pct
+        .trim()
+        .parse()
+        .map_err(|_| format!("--core-limit {spec:?}: {pct:?} is not a percentage"))?;
+    Ok((key.trim().to_string(), pct))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_kubelets_standard_paths() {
+        let s = Settings::load(&Flags::default()).unwrap();
+        assert_eq!(
+            s.device_plugin_dir,
+            Path::new("/var/lib/kubelet/device-plugins")
+        );
+        assert_eq!(
+            s.kubelet_checkpoint,
+            Path::new("/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint")
+        );
+        assert_eq!(
+            s.pod_resources_socket,
+            Path::new("/var/lib/kubelet/pod-resources/kubelet.sock")
+        );
+        assert_eq!(s.domain, "tencent.com");
+        assert_eq!(s.xid_ignore, DEFAULT_XID_IGNORE);
+        assert!(!s.watchdog_kill);
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("m.toml");
+        std::fs::write(
+            &f,
+            "domain = \"example.com\"\nstate_dir = \"/srv/v\"\nxid_ignore = [1]\n[core_limit]\n\"ns/p/c\" = 60\n",
+        )
+        .unwrap();
+        let flags = Flags::parse_from([
+            "vcuda-manager",
+            "--config",
+            f.to_str().unwrap(),
+            "--state-dir",
+            "/tmp/s",
+            "--core-limit",
+            "ns/q/c=80",
+        ]);
+        let s = Settings::load(&flags).unwrap();
+        assert_eq!(s.domain, "example.com");
+        assert_eq!(s.state_dir, Path::new("/tmp/s"));
+        assert_eq!(s.xid_ignore, vec![1]);
+        assert_eq!(s.core_limit.get("ns/p/c"), Some(&60));
+        assert_eq!(s.core_limit.get("ns/q/c"), Some(&80));
+    }
+
+    #[test]
+    fn bad_settings_say_what_is_wrong() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("m.toml");
+        std::fs::write(&f, "domian = \"x\"\n").unwrap();
+        let flags = Flags::parse_from(["vcuda-manager", "--config", f.to_str().unwrap()]);
+        let e = Settings::load(&flags).unwrap_err();
+        assert!(e.contains("line 1") && e.contains("domian"), "{e}");
+        let flags = Flags::parse_from(["vcuda-manager", "--core-limit", "ns/p/c=abc"]);
+        assert!(Settings::load(&flags).unwrap_err().contains("percentage"));
+        let flags = Flags::parse_from(["vcuda-manager", "--domain", "kubernetes.io"]);
+        assert!(Settings::load(&flags)
+            .unwrap_err()
+            .contains("kubernetes.io"));
+    }
+}
