@@ -3,12 +3,14 @@
 //! - [`config`]: the per-container config file (read-only to the container).
 //! - [`region`]: the per-container usage region (read-write, shared by the container's
 //!   processes), its layout and its lock-free reservation protocol.
+//! - [`control`]: the library ↔ manager control-socket protocol (framing, messages, decoding).
 //!
 //! Invariants: no tokio, no tonic, no allocation-heavy dependencies — this crate is linked
 //! into every CUDA process. A change to the region layout bumps `REGION_VERSION`; a change to
 //! the config format bumps `CONFIG_VERSION`.
 
 pub mod config;
+pub mod control;
 pub mod region;
 
 pub use config::{ConfigError, ContainerConfig, GpuLimit};
