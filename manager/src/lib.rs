@@ -3,9 +3,11 @@
 //! - [`ids`]: device IDs (GPU UUID + kind + index; stable, ≤ 63 characters);
 //! - [`placement`]: GetPreferredAllocation and Allocate validation;
 //! - [`allocation`]: what Allocate answers and what PreStartContainer finishes;
-//! - [`settings`]: the settings file and flags.
+//! - [`settings`]: the settings file and flags;
+//! - [`gpus`]: NVML inventory, topology, XID health, process samples.
 
 pub mod allocation;
+pub mod gpus;
 pub mod ids;
 pub mod placement;
 pub mod settings;
