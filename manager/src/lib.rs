@@ -4,10 +4,14 @@
 //! - [`placement`]: GetPreferredAllocation and Allocate validation;
 //! - [`allocation`]: what Allocate answers and what PreStartContainer finishes;
 //! - [`settings`]: the settings file and flags;
-//! - [`gpus`]: NVML inventory, topology, XID health, process samples.
+//! - [`gpus`]: NVML inventory, topology, XID health, process samples;
+//! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (pure parsers);
+//! - [`core`]: the state (allocations, pairing, checkpoint) the services share.
 
 pub mod allocation;
+pub mod core;
 pub mod gpus;
+pub mod identity;
 pub mod ids;
 pub mod placement;
 pub mod settings;
