@@ -6,12 +6,20 @@
 //! - [`settings`]: the settings file and flags;
 //! - [`gpus`]: NVML inventory, topology, XID health, process samples;
 //! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (pure parsers);
-//! - [`core`]: the state (allocations, pairing, checkpoint) the services share.
+//! - [`core`]: the state (allocations, pairing, checkpoint) the services share;
+//! - [`plugin`]: the DevicePlugin gRPC services and the PodResources lookup;
+//! - [`control`]: the control socket libvcuda registers over;
+//! - [`control_loop`]: shares, reclaim, watchdog, garbage collection;
+//! - [`daemon`]: the tasks, registration, and surviving kubelet restarts.
 
 pub mod allocation;
+pub mod control;
+pub mod control_loop;
 pub mod core;
+pub mod daemon;
 pub mod gpus;
 pub mod identity;
 pub mod ids;
 pub mod placement;
+pub mod plugin;
 pub mod settings;

@@ -1,0 +1,112 @@
+//! The control socket: libvcuda in each container process says hello here. The socket's
+//! peer credentials give the host pid; [`crate::core::Core::hello`] checks the claim. Every
+//! connection is on its own: a malformed, oversized or unknown message closes that
+//! connection (logged) and nothing else; frames are capped by the protocol; a peer that
+//! sends nothing is dropped after a timeout.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
+use tracing::{debug, info, warn};
+use vcuda_contract::control::{decode_request, encode_reply, FrameDecoder, Reply, Request};
+
+use crate::plugin::Shared;
+
+/// Longest a connection may take to deliver a frame.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections served at once (each is short-lived).
+const MAX_CONNECTIONS: usize = 256;
+
+/// Bind the control socket (replacing a stale one), world-connectable: which container a
+/// process belongs to is checked per message, not by file permissions.
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(l)
+}
+
+/// Serve until the task is dropped.
+pub async fn serve(listener: UnixListener, shared: Arc<Shared>) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "control socket: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            debug!("control socket: too many connections, dropping one");
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            if let Err(e) = connection(stream, &shared).await {
+                warn!(reason = %e, "control socket: connection closed");
+            }
+        });
+    }
+}
+
+async fn connection(mut stream: UnixStream, shared: &Shared) -> Result<(), String> {
+    let pid = stream
+        .peer_cred()
+        .map_err(|e| format!("no peer credentials: {e}"))?
+        .pid()
+        .and_then(|p| u32::try_from(p).ok())
+        .ok_or("the peer's pid is unknown")?;
+    let mut dec = FrameDecoder::default();
+    let mut buf = [0u8; 4096];
+    loop {
+        let frame = loop {
+            if let Some(f) = dec.next_frame().map_err(|e| format!("pid {pid}: {e}"))? {
+                break f;
+            }
+            let n = tokio::time::timeout(FRAME_TIMEOUT, stream.read(&mut buf))
+                .await
+                .map_err(|_| format!("pid {pid}: no complete message within {FRAME_TIMEOUT:?}"))?
+                .map_err(|e| format!("pid {pid}: {e}"))?;
+            if n == 0 {
+                return Ok(()); // closed
+            }
+            dec.push(&buf[..n]);
+        };
+        let reply = match decode_request(&frame).map_err(|e| format!("pid {pid}: {e}"))? {
+            Request::Ping => Reply::Pong,
+            Request::Hello(h) => match shared.core.lock().hello(&h, pid) {
+                Ok(host_pid) => {
+                    info!(pid, allocation = %h.allocation, slot = h.slot, "process registered");
+                    Reply::Welcome { host_pid }
+                }
+                Err(reason) => {
+                    warn!(pid, allocation = %h.allocation, %reason, "registration refused");
+                    Reply::refused(&reason)
+                }
+            },
+        };
+        let refused = matches!(reply, Reply::Refused { .. });
+        stream
+            .write_all(&encode_reply(&reply))
+            .await
+            .map_err(|e| format!("pid {pid}: {e}"))?;
+        if refused {
+            return Ok(());
+        }
+    }
+}

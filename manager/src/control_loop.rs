@@ -1,0 +1,280 @@
+//! The control loop, at NVML's sampling cadence (~1/6 s): for every started allocation,
+//! reclaim what dead processes held, write its compute share into its region (hard or
+//! elastic), and run the watchdog — the memory the *driver* reports for the container's
+//! processes against its quota, which catches a process that bypasses the library (static
+//! binary, raw ioctls). Every ~10 s, allocations whose container the kubelet no longer
+//! lists are removed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use nvml_wrapper::Nvml;
+use tracing::{info, warn};
+use vcuda_contract::config::parse_uuid;
+use vcuda_contract::region::Region;
+
+use crate::allocation::Allocation;
+use crate::gpus;
+use crate::identity;
+use crate::ids::Kind;
+use crate::plugin::Shared;
+
+const PERIOD: Duration = Duration::from_millis(167);
+const GC_PERIOD: Duration = Duration::from_secs(10);
+/// An allocation is not collected before its container had time to start.
+const GC_GRACE_SECS: u64 = 120;
+
+/// Watchdog violations since start (the metric; also logged).
+pub static VIOLATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// Which allocation a host process belongs to: registered host pids first, then the pod
+/// cgroup of unregistered ones (which is how a bypassing process is found).
+pub fn owner_of(
+    pid: u32,
+    registered: &HashMap<u32, String>,
+    by_uid: &BTreeMap<String, String>,
+    cgroup: &dyn Fn(u32) -> Option<String>,
+) -> Option<String> {
+    if let Some(a) = registered.get(&pid) {
+        return Some(a.clone());
+    }
+    let text = cgroup(pid)?;
+    by_uid
+        .iter()
+        .find(|(uid, _)| identity::in_pod(&text, uid))
+        .map(|(_, a)| a.clone())
+}
+
+/// Containers over their quota: (allocation, GPU index, driver-reported bytes, quota).
+pub fn violations(
+    usage: &BTreeMap<(String, usize), u64>,
+    quota: &dyn Fn(&str, usize) -> Option<u64>,
+) -> Vec<(String, usize, u64, u64)> {
+    usage
+        .iter()
+        .filter_map(|((a, g), &used)| {
+            let q = quota(a, *g)?;
+            (used > q).then(|| (a.clone(), *g, used, q))
+        })
+        .collect()
+}
+
+pub async fn run(nvml: &'static Nvml, shared: Arc<Shared>) {
+    let mut regions: HashMap<String, Region> = HashMap::new();
+    let mut over_before: Vec<(String, usize)> = Vec::new();
+    let mut last_gc = Instant::now();
+    let mut tick = tokio::time::interval(PERIOD);
+    loop {
+        tick.tick().await;
+        let (allocs, settings, layout_region, uuids) = {
+            let c = shared.core.lock();
+            let allocs: Vec<Allocation> =
+                c.allocations().filter(|a| a.finished()).cloned().collect();
+            let files: HashMap<String, std::path::PathBuf> = allocs
+                .iter()
+                .map(|a| (a.id.clone(), c.layout.region_file(&a.id)))
+                .collect();
+            (
+                allocs,
+                c.settings.clone(),
+                files,
+                c.inventory.node.uuids.clone(),
+            )
+        };
+        regions.retain(|id, _| allocs.iter().any(|a| &a.id == id));
+        let mut registered: HashMap<u32, String> = HashMap::new();
+        for a in &allocs {
+            if !regions.contains_key(&a.id) {
+                let ids: Vec<[u8; 16]> = a.gpus.iter().filter_map(|u| parse_uuid(u)).collect();
+                match Region::open_or_create(&layout_region[&a.id], &ids) {
+                    Ok(r) => {
+                        regions.insert(a.id.clone(), r);
+                    }
+                    Err(e) => {
+                        warn!(allocation = %a.id, error = %e, "cannot open the region");
+                        continue;
+                    }
+                }
+            }
+            let r = &regions[&a.id];
+            let n = r.reclaim_dead(false);
+            if n > 0 {
+                info!(allocation = %a.id, processes = n, "reclaimed dead processes");
+            }
+            let share = if a.percent >= 100 {
+                1_000_000
+            } else {
+                u64::from(a.percent) * 10_000
+            };
+            let limit = a
+                .core_limit
+                .filter(|&l| l > a.percent)
+                .map_or(0, |l| u64::from(l) * 10_000);
+            for dev in 0..a.gpus.len() {
+                r.set_core(dev, share, limit);
+            }
+            for p in r.processes() {
+                if p.host_pid != 0 {
+                    registered.insert(p.host_pid, a.id.clone());
+                }
+            }
+        }
+
+        // Watchdog.
+        let by_uid: BTreeMap<String, String> = allocs
+            .iter()
+            .filter_map(|a| Some((a.owner.as_ref()?.uid.clone()?, a.id.clone())))
+            .collect();
+        let proc_root = settings.proc_root.clone();
+        let cgroup =
+            |pid: u32| std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok();
+        let mut usage: BTreeMap<(String, usize), u64> = BTreeMap::new();
+        let mut pids: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        for (g, uuid) in uuids.iter().enumerate() {
+            let Ok(list) = gpus::processes(nvml, g as u32) else {
+                continue;
+            };
+            for p in list {
+                if let Some(a) = owner_of(p.pid, &registered, &by_uid, &cgroup) {
+                    if let Some(dev) = allocs
+                        .iter()
+                        .find(|x| x.id == a)
+                        .and_then(|x| x.gpus.iter().position(|u| u == uuid))
+                    {
+                        *usage.entry((a.clone(), dev)).or_default() += p.bytes;
+                        pids.entry(a).or_default().push(p.pid);
+                    }
+                }
+            }
+        }
+        // Whole GPUs have no quota beyond the GPU itself.
+        let quota = |id: &str, _dev: usize| {
+            let a = allocs.iter().find(|a| a.id == id)?;
+            Some(if a.percent >= 100 { u64::MAX } else { a.quota })
+        };
+        let over = violations(&usage, &quota);
+        let mut now_over = Vec::new();
+        for (id, dev, used, q) in over {
+            now_over.push((id.clone(), dev));
+            // Twice in a row: the library releases right after the driver frees, so one
+            // sample may catch a free in flight.
+            if !over_before.contains(&(id.clone(), dev)) {
+                continue;
+            }
+            VIOLATIONS.fetch_add(1, Relaxed);
+            let who = allocs
+                .iter()
+                .find(|a| a.id == id)
+                .and_then(|a| a.owner.as_ref())
+                .map(|o| o.key())
+                .unwrap_or_default();
+            let ps = pids.get(&id).cloned().unwrap_or_default();
+            warn!(allocation = %id, container = %who, gpu = dev, used_mib = used >> 20, quota_mib = q >> 20, pids = ?ps, "watchdog: the driver reports more memory than the quota (a process bypasses libvcuda?)");
+            if settings.watchdog_kill {
+                for pid in ps {
+                    // SAFETY: kill(2) on a pid the driver listed for this container's GPU.
+                    let rc = unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                    warn!(pid, ok = rc == 0, "watchdog: killed");
+                }
+            }
+        }
+        over_before = now_over;
+
+        if last_gc.elapsed() >= GC_PERIOD {
+            last_gc = Instant::now();
+            collect(&shared, &settings).await;
+        }
+    }
+}
+
+/// Remove allocations no container holds any more (per PodResources), after a grace period.
+async fn collect(shared: &Shared, settings: &crate::settings::Settings) {
+    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(5));
+    let Ok(channel) =
+        vcuda_proto::uds::connect_with(endpoint, &settings.pod_resources_socket).await
+    else {
+        return;
+    };
+    let mut client =
+        vcuda_proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient::new(
+            channel,
+        );
+    let Ok(list) = client
+        .list(vcuda_proto::podresources::v1::ListPodResourcesRequest {})
+        .await
+    else {
+        return;
+    };
+    let core_name = Kind::Core.resource(&settings.domain);
+    let held: Vec<String> = list
+        .into_inner()
+        .pod_resources
+        .into_iter()
+        .flat_map(|p| p.containers)
+        .flat_map(|c| c.devices)
+        .filter(|d| d.resource_name == core_name)
+        .flat_map(|d| d.device_ids)
+        .collect();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut core = shared.core.lock();
+    let gone: Vec<String> = core
+        .allocations()
+        .filter(|a| {
+            now.saturating_sub(a.created) > GC_GRACE_SECS
+                && !a.cores.iter().any(|c| held.contains(c))
+        })
+        .map(|a| a.id.clone())
+        .collect();
+    for id in gone {
+        info!(allocation = %id, "its container is gone: removing the allocation");
+        if let Err(e) = core.remove(&id) {
+            warn!(allocation = %id, error = %e, "cannot remove the allocation");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn processes_are_attributed_by_registration_then_cgroup() {
+        let registered: HashMap<u32, String> = [(10, "a1".to_string())].into();
+        let by_uid: BTreeMap<String, String> = [("uid-2".to_string(), "a2".to_string())].into();
+        let cg = |pid: u32| match pid {
+            20 => Some("0::/kubepods/poduid-2/x\n".to_string()),
+            30 => Some("0::/system.slice/sshd.service\n".to_string()),
+            _ => None,
+        };
+        assert_eq!(
+            owner_of(10, &registered, &by_uid, &cg).as_deref(),
+            Some("a1")
+        );
+        assert_eq!(
+            owner_of(20, &registered, &by_uid, &cg).as_deref(),
+            Some("a2"),
+            "unregistered: a bypass is found by its cgroup"
+        );
+        assert_eq!(owner_of(30, &registered, &by_uid, &cg), None);
+    }
+
+    #[test]
+    fn usage_over_quota_is_a_violation() {
+        let usage: BTreeMap<(String, usize), u64> = [
+            (("a1".to_string(), 0), 5 << 30),
+            (("a2".to_string(), 0), 1 << 30),
+        ]
+        .into();
+        let q = |id: &str, _| Some(if id == "a1" { 4 << 30 } else { 2 << 30 });
+        assert_eq!(
+            violations(&usage, &q),
+            vec![("a1".to_string(), 0, 5 << 30, 4 << 30)]
+        );
+    }
+}

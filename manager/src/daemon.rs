@@ -1,0 +1,319 @@
+//! The daemon's tasks and their lifecycle: device-plugin servers and registration (again
+//! whenever the kubelet restarts, never by exiting), XID health, the control socket and the
+//! control loop.
+//!
+//! Order at start: NVML inventory (fast), then serve both plugin sockets, then register —
+//! the kubelet dials back inside Register, so the servers must be up first, and a kubelet
+//! may admit pods right after a reboot, so nothing slow stands before registration.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use notify::Watcher;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{error, info, warn};
+use vcuda_proto::constants;
+use vcuda_proto::deviceplugin::v1beta1 as dp;
+
+use crate::core::Core;
+use crate::gpus::{self, Health};
+use crate::ids::Kind;
+use crate::plugin::{self, Plugin, Shared};
+use crate::settings::Settings;
+
+/// Run until SIGTERM / SIGINT.
+pub async fn run(settings: Settings) -> Result<()> {
+    let nvml = gpus::open(settings.nvml_library.as_deref())
+        .context("cannot load NVML (is the NVIDIA driver installed, or --nvml-library right?)")?;
+    let inventory = gpus::discover(nvml).context("cannot list the GPUs through NVML")?;
+    info!(
+        gpus = inventory.gpus.len(),
+        "found GPUs: {}",
+        inventory
+            .gpus
+            .iter()
+            .map(|g| g.uuid.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let core = Core::open(settings.clone(), inventory.clone()).map_err(anyhow::Error::msg)?;
+    let (health_tx, _) = watch::channel(vec![true; inventory.gpus.len()]);
+    let shared = Arc::new(Shared {
+        core: Mutex::new(core),
+        health: health_tx,
+    });
+
+    let stop = Arc::new(AtomicBool::new(false));
+    start_health(
+        nvml,
+        &settings,
+        &inventory.node.uuids,
+        shared.clone(),
+        stop.clone(),
+    );
+
+    let listener = crate::control::bind(&settings.socket_path()).with_context(|| {
+        format!(
+            "cannot make the control socket {}",
+            settings.socket_path().display()
+        )
+    })?;
+    tokio::spawn(crate::control::serve(listener, shared.clone()));
+    tokio::spawn(crate::control_loop::run(nvml, shared.clone()));
+
+    let mut shutdown = Box::pin(shutdown_signal());
+    loop {
+        let plugins = Plugins::start(&settings, &shared).await?;
+        let started = Instant::now();
+        register_all(&settings).await;
+        info!(
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "registered with the kubelet"
+        );
+        let restart = watch_kubelet(&settings.device_plugin_dir);
+        tokio::select! {
+            why = restart => {
+                info!(%why, "the kubelet restarted: serving and registering again");
+                plugins.stop().await;
+            }
+            _ = &mut shutdown => {
+                info!("shutting down");
+                plugins.stop().await;
+                stop.store(true, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// The two device-plugin servers.
+struct Plugins {
+    stops: Vec<oneshot::Sender<()>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Plugins {
+    async fn start(settings: &Settings, shared: &Arc<Shared>) -> Result<Plugins> {
+        let mut p = Plugins {
+            stops: Vec::new(),
+            tasks: Vec::new(),
+        };
+        for kind in [Kind::Core, Kind::Memory] {
+            let path = settings.device_plugin_dir.join(kind.socket());
+            let _ = std::fs::remove_file(&path);
+            let listener = tokio::net::UnixListener::bind(&path)
+                .with_context(|| format!("cannot serve the device plugin on {}", path.display()))?;
+            let (tx, rx) = oneshot::channel();
+            let svc = dp::device_plugin_server::DevicePluginServer::new(Plugin {
+                kind,
+                shared: shared.clone(),
+            });
+            let task = tokio::spawn(async move {
+                let r = tonic::transport::Server::builder()
+                    .add_service(svc)
+                    .serve_with_incoming_shutdown(vcuda_proto::uds::incoming(listener), async {
+                        let _ = rx.await;
+                    })
+                    .await;
+                if let Err(e) = r {
+                    error!(error = %e, "device plugin server failed");
+                }
+            });
+            p.stops.push(tx);
+            p.tasks.push(task);
+        }
+        Ok(p)
+    }
+
+    async fn stop(self) {
+        for s in self.stops {
+            let _ = s.send(());
+        }
+        for t in self.tasks {
+            // ListAndWatch streams never end by themselves: do not wait for them long.
+            let _ = tokio::time::timeout(Duration::from_millis(200), t).await;
+        }
+    }
+}
+
+/// Register both resources; retry (with back-off, logging) until the kubelet accepts.
+async fn register_all(settings: &Settings) {
+    for kind in [Kind::Core, Kind::Memory] {
+        let mut delay = Duration::from_millis(50);
+        loop {
+            match register(settings, kind).await {
+                Ok(()) => break,
+                Err(e) => {
+                    warn!(resource = %kind.resource(&settings.domain), error = %e, "registration failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
+    }
+}
+
+async fn register(settings: &Settings, kind: Kind) -> Result<(), String> {
+    let sock = settings.device_plugin_dir.join("kubelet.sock");
+    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(15));
+    let channel = vcuda_proto::uds::connect_with(endpoint, &sock)
+        .await
+        .map_err(|e| format!("cannot reach {} ({e}); is the kubelet running, and --device-plugin-dir its plugin directory?", sock.display()))?;
+    let mut client = dp::registration_client::RegistrationClient::new(channel);
+    client
+        .register(dp::RegisterRequest {
+            version: constants::VERSION.into(),
+            endpoint: kind.socket().into(),
+            resource_name: kind.resource(&settings.domain),
+            options: Some(plugin::options()),
+        })
+        .await
+        .map_err(|s| s.message().to_string())?;
+    Ok(())
+}
+
+/// Resolves when the kubelet restarts: `kubelet.sock` is created again, or one of our
+/// sockets is deleted (the kubelet deletes plugin sockets when it starts). Watches the
+/// directory (a watched socket inode goes stale), with a 1 s poll as a safety net.
+async fn watch_kubelet(dir: &Path) -> String {
+    let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+    let ours: Vec<PathBuf> = [Kind::Core, Kind::Memory]
+        .iter()
+        .map(|k| dir.join(k.socket()))
+        .collect();
+    let kubelet = dir.join("kubelet.sock");
+    let watcher = {
+        let tx = tx.clone();
+        let (ours, kubelet) = (ours.clone(), kubelet.clone());
+        notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
+            let Ok(ev) = ev else { return };
+            use notify::EventKind::*;
+            for p in &ev.paths {
+                match ev.kind {
+                    Create(_) if *p == kubelet => {
+                        let _ = tx.send("kubelet.sock was created".into());
+                    }
+                    Remove(_) if ours.contains(p) => {
+                        let _ = tx.send(format!("{} was deleted", p.display()));
+                    }
+                    _ => {}
+                }
+            }
+        })
+    };
+    let _watcher = match watcher {
+        Ok(mut w) => match w.watch(dir, notify::RecursiveMode::NonRecursive) {
+            Ok(()) => Some(w),
+            Err(e) => {
+                warn!(error = %e, "cannot watch {}; polling it", dir.display());
+                None
+            }
+        },
+        Err(e) => {
+            warn!(error = %e, "cannot watch {}; polling it", dir.display());
+            None
+        }
+    };
+    let inode = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+    };
+    let first = inode(&kubelet);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            Some(why) = rx.recv() => return why,
+            _ = tick.tick() => {
+                if let Some(p) = ours.iter().find(|p| !p.exists()) {
+                    return format!("{} is gone", p.display());
+                }
+                let now = inode(&kubelet);
+                if now.is_some() && now != first {
+                    return "kubelet.sock was replaced".into();
+                }
+            }
+        }
+    }
+}
+
+/// XID events on their own thread; health re-evaluated every second (recovery).
+fn start_health(
+    nvml: &'static nvml_wrapper::Nvml,
+    settings: &Settings,
+    uuids: &[String],
+    shared: Arc<Shared>,
+    stop: Arc<AtomicBool>,
+) {
+    let health = Arc::new(Mutex::new(Health::new(
+        uuids.len(),
+        settings.xid_ignore.clone(),
+        Duration::from_secs(settings.recover_after),
+    )));
+    let publish = {
+        let (health, shared) = (health.clone(), shared.clone());
+        move || {
+            let now = Instant::now();
+            let answers = |g: usize| {
+                nvml.device_by_index(g as u32)
+                    .and_then(|d| d.memory_info())
+                    .is_ok()
+            };
+            let h = health.lock().healthy(now, &answers);
+            shared.health.send_if_modified(|cur| {
+                if *cur != h {
+                    info!(health = ?h, "GPU health changed");
+                    *cur = h;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    };
+    {
+        let (health, publish, uuids, stop) = (
+            health.clone(),
+            publish.clone(),
+            uuids.to_vec(),
+            stop.clone(),
+        );
+        let spawned = std::thread::Builder::new().name("xid".into()).spawn(move || {
+            let mut on_xid = |g: usize, xid: Option<u64>| {
+                let fatal = health.lock().xid(g, xid, Instant::now());
+                warn!(gpu = g, ?xid, fatal, "XID event");
+                if fatal {
+                    publish();
+                }
+            };
+            if let Err(e) = gpus::watch_xids(nvml, &uuids, Duration::from_millis(500), &|| stop.load(Ordering::Relaxed), &mut on_xid) {
+                warn!(error = %e, "cannot watch XID events; GPUs stay healthy as far as the manager knows");
+            }
+        });
+        if let Err(e) = spawned {
+            warn!(error = %e, "cannot start the XID thread");
+        }
+    }
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            publish();
+        }
+    });
+}

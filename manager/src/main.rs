@@ -1,0 +1,23 @@
+//! `vcuda-manager`: see `vcuda-manager --help` and manager/README.md.
+
+use anyhow::Context;
+use clap::Parser;
+use vcuda_manager::settings::{Flags, Settings};
+
+fn main() -> anyhow::Result<()> {
+    let flags = Flags::parse();
+    let settings = Settings::load(&flags).map_err(anyhow::Error::msg)?;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&settings.log)
+                .with_context(|| format!("--log {:?} is not a valid filter", settings.log))?,
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(vcuda_manager::daemon::run(settings))
+}

@@ -1,0 +1,260 @@
+//! The kubelet-facing gRPC services: one `DevicePlugin` server per resource, and the
+//! PodResources lookup PreStartContainer needs. Thin: decisions are in [`crate::core`].
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+use vcuda_proto::deviceplugin::v1beta1 as dp;
+use vcuda_proto::podresources::v1 as pr;
+
+use crate::allocation::{Answer, Holdings};
+use crate::core::Core;
+use crate::identity;
+use crate::ids::{all_ids, Kind};
+
+/// What every service shares.
+pub struct Shared {
+    pub core: Mutex<Core>,
+    /// Health of each GPU (NVML order); ListAndWatch streams follow it.
+    pub health: watch::Sender<Vec<bool>>,
+}
+
+/// The device plugin of one resource.
+pub struct Plugin {
+    pub kind: Kind,
+    pub shared: Arc<Shared>,
+}
+
+/// The complete device list of `kind` (the kubelet rebuilds its sets from every message).
+pub fn devices(core: &Core, kind: Kind, health: &[bool]) -> Vec<dp::Device> {
+    let inv = &core.inventory;
+    let mut out = Vec::new();
+    for (g, gpu) in inv.gpus.iter().enumerate() {
+        let healthy = health.get(g).copied().unwrap_or(true);
+        let topology = inv
+            .numa
+            .get(g)
+            .copied()
+            .flatten()
+            .map(|n| dp::TopologyInfo {
+                nodes: vec![dp::NumaNode { id: n }],
+            });
+        for id in all_ids(&gpu.uuid, kind, gpu.memory) {
+            out.push(dp::Device {
+                id: id.to_string(),
+                health: if healthy { "Healthy" } else { "Unhealthy" }.into(),
+                topology: topology.clone(),
+            });
+        }
+    }
+    out
+}
+
+fn to_proto(a: Answer) -> dp::ContainerAllocateResponse {
+    dp::ContainerAllocateResponse {
+        envs: a.envs.into_iter().collect(),
+        mounts: a
+            .mounts
+            .into_iter()
+            .map(|m| dp::Mount {
+                container_path: m.container,
+                host_path: m.host.display().to_string(),
+                read_only: m.read_only,
+            })
+            .collect(),
+        devices: a
+            .devices
+            .into_iter()
+            .map(|d| dp::DeviceSpec {
+                container_path: d.container,
+                host_path: d.host,
+                permissions: d.permissions,
+            })
+            .collect(),
+        annotations: a.annotations.into_iter().collect::<HashMap<_, _>>(),
+        cdi_devices: Vec::new(),
+    }
+}
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<dp::ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl dp::device_plugin_server::DevicePlugin for Plugin {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<dp::Empty>,
+    ) -> Result<Response<dp::DevicePluginOptions>, Status> {
+        Ok(Response::new(options()))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(
+        &self,
+        _: Request<dp::Empty>,
+    ) -> Result<Response<DeviceStream>, Status> {
+        let shared = self.shared.clone();
+        let kind = self.kind;
+        // The current list at once, then the whole list again at every health change.
+        let stream = tokio_stream::wrappers::WatchStream::new(self.shared.health.subscribe()).map(
+            move |health| {
+                let devices = devices(&shared.core.lock(), kind, &health);
+                Ok(dp::ListAndWatchResponse { devices })
+            },
+        );
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        req: Request<dp::PreferredAllocationRequest>,
+    ) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
+        let mut core = self.shared.core.lock();
+        let container_responses = req
+            .into_inner()
+            .container_requests
+            .into_iter()
+            .map(|c| dp::ContainerPreferredAllocationResponse {
+                device_i_ds: core.preferred(
+                    self.kind,
+                    &c.available_device_i_ds,
+                    &c.must_include_device_i_ds,
+                    c.allocation_size.max(0) as usize,
+                ),
+            })
+            .collect();
+        Ok(Response::new(dp::PreferredAllocationResponse {
+            container_responses,
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        req: Request<dp::AllocateRequest>,
+    ) -> Result<Response<dp::AllocateResponse>, Status> {
+        let mut core = self.shared.core.lock();
+        let domain = core.settings.domain.clone();
+        let mut container_responses = Vec::new();
+        for c in req.into_inner().container_requests {
+            match core.allocate(self.kind, &c.devices_ids) {
+                Ok(a) => container_responses.push(to_proto(a)),
+                Err(reason) => {
+                    warn!(resource = %self.kind.resource(&domain), %reason, "Allocate refused");
+                    return Err(Status::invalid_argument(format!("vcuda: {reason}")));
+                }
+            }
+        }
+        Ok(Response::new(dp::AllocateResponse {
+            container_responses,
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        req: Request<dp::PreStartContainerRequest>,
+    ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
+        let ids = req.into_inner().devices_ids;
+        let (socket, checkpoint, domain) = {
+            let core = self.shared.core.lock();
+            (
+                core.settings.pod_resources_socket.clone(),
+                core.settings.kubelet_checkpoint.clone(),
+                core.settings.domain.clone(),
+            )
+        };
+        let held = holdings(&socket, &domain, self.kind, &ids)
+            .await
+            .map_err(|e| {
+                Status::unavailable(format!(
+                    "vcuda: cannot ask the kubelet's PodResources API at {}: {e}",
+                    socket.display()
+                ))
+            })?;
+        let uid = held.as_ref().and_then(|h| {
+            let text = std::fs::read_to_string(&checkpoint).ok()?;
+            let entries = identity::parse_checkpoint(&text).ok()?;
+            identity::pod_uid_of(&entries, &Kind::Core.resource(&domain), &h.cores)
+        });
+        let who = held
+            .as_ref()
+            .map(|h| format!("{}/{}/{}", h.namespace, h.pod, h.container));
+        let res = self
+            .shared
+            .core
+            .lock()
+            .pre_start(self.kind, &ids, held, uid);
+        match res {
+            Ok(id) => {
+                info!(allocation = %id, container = who.as_deref().unwrap_or("?"), "container configured");
+                Ok(Response::new(dp::PreStartContainerResponse {}))
+            }
+            Err(reason) => {
+                warn!(%reason, "PreStartContainer refused");
+                Err(Status::failed_precondition(format!("vcuda: {reason}")))
+            }
+        }
+    }
+}
+
+/// The options both plugins register with (and answer GetDevicePluginOptions with).
+pub fn options() -> dp::DevicePluginOptions {
+    dp::DevicePluginOptions {
+        pre_start_required: true,
+        get_preferred_allocation_available: true,
+    }
+}
+
+/// Ask PodResources which container holds `ids` of `kind`, and what it holds of both
+/// resources.
+pub async fn holdings(
+    socket: &std::path::Path,
+    domain: &str,
+    kind: Kind,
+    ids: &[String],
+) -> Result<Option<Holdings>, String> {
+    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10));
+    let channel = vcuda_proto::uds::connect_with(endpoint, socket)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
+    let list = client
+        .list(pr::ListPodResourcesRequest {})
+        .await
+        .map_err(|e| e.message().to_string())?
+        .into_inner();
+    let (core_name, mem_name, mine) = (
+        Kind::Core.resource(domain),
+        Kind::Memory.resource(domain),
+        kind.resource(domain),
+    );
+    for pod in list.pod_resources {
+        for c in pod.containers {
+            let of = |name: &str| -> Vec<String> {
+                c.devices
+                    .iter()
+                    .filter(|d| d.resource_name == name)
+                    .flat_map(|d| d.device_ids.clone())
+                    .collect()
+            };
+            if of(&mine).iter().any(|d| ids.contains(d)) {
+                return Ok(Some(Holdings {
+                    namespace: pod.namespace.clone(),
+                    pod: pod.name.clone(),
+                    container: c.name.clone(),
+                    cores: of(&core_name),
+                    memory: of(&mem_name),
+                }));
+            }
+        }
+    }
+    Ok(None)
+}
