@@ -203,6 +203,8 @@ fn start_inner() -> Result<Vcuda, Failure> {
     }
     start_sweeper();
     crate::limit::start_controller();
+    // Registration with the manager (register.rs): a thread of its own, never waited for.
+    crate::register::start(&v);
     log!(
         INFO,
         "limits {:?} bytes, region {}",
@@ -289,6 +291,8 @@ impl Vcuda {
         FORKED.store(false, Release);
         start_sweeper();
         crate::limit::start_controller();
+        // Registration (register.rs): the child's own slot; skipped if its claim failed.
+        crate::register::start(self);
     }
 
     /// Quota of GPU `dev` (config index).

@@ -12,6 +12,8 @@
 //! - [`limit`]: the compute limiter's launch hooks, token buckets and controller thread
 //!   (its maths is the `vcuda-limiter` crate).
 //! - [`memory`], [`context`], [`info`], [`nvml`], [`procaddr`]: the wrappers.
+//! - [`register`]: each process introduces itself to the manager over the control socket,
+//!   on a thread of its own, retrying with back-off.
 //! - [`capi`]: `vcuda_*`, the library's own C API (`include/vcuda.h`, cbindgen).
 
 #![allow(non_snake_case)]
@@ -149,4 +151,5 @@ pub mod log;
 pub mod memory;
 pub mod nvml;
 pub mod procaddr;
+pub mod register;
 pub mod table;
