@@ -1,0 +1,194 @@
+"""A simulated Kubernetes GPU node for the manager's end-to-end tests (and the demo):
+gpusim's GPUs, kubelet-sim playing the kubelet's device manager, and vcuda-manager.
+
+The container runtime's part is played here too, without privileges: a container's mounts
+(from the Allocate answer kubelet-sim returns) are applied by translating the paths in its
+config to their host sides, and its pod cgroup by a per-process entry in a fake /proc tree
+(`--proc-root`) that names the pod UID, made by a wrapper that then execs the workload (same
+pid, same start time).
+"""
+
+import json
+import pathlib
+import signal
+import subprocess
+import time
+import tomllib
+
+from conftest import LIB, ROOT, VCUDA_LIB
+
+RELEASE = ROOT / "target" / "release"
+MANAGER = RELEASE / "vcuda-manager"
+KUBELET_SIM = RELEASE / "kubelet-sim"
+DOMAIN = "tencent.com"
+CORE = f"{DOMAIN}/vcuda-core"
+MEMORY = f"{DOMAIN}/vcuda-memory"
+
+# Enter the pod's cgroup (in the fake /proc), then become the workload.
+WRAPPER = r"""
+set -e
+d="$PROC_ROOT/$$"
+mkdir -p "$d"
+ln -sf "/proc/$$/status" "$d/status"
+ln -sf "/proc/$$/stat" "$d/stat"
+printf '0::/kubepods/burstable/pod%s/%s\n' "$POD_UID" "$CONTAINER_ID" > "$d/cgroup"
+exec "$@"
+"""
+
+
+class Node:
+    def __init__(self, sim, root: pathlib.Path, recover_after=300):
+        self.sim = sim
+        self.root = root
+        self.plugin_dir = root / "device-plugins"
+        self.pr_socket = root / "pod-resources" / "kubelet.sock"
+        self.control = root / "ksim.sock"
+        self.state = root / "state"
+        self.run_dir = root / "run"
+        self.proc_root = root / "proc"
+        for d in (self.plugin_dir, self.pr_socket.parent, self.proc_root):
+            d.mkdir(parents=True, exist_ok=True)
+        self.recover_after = recover_after
+        self.manager_log = root / "manager.log"
+        self.ksim = None
+        self.manager = None
+
+    # ---- processes -------------------------------------------------------------------------
+
+    def start_kubelet(self):
+        self.ksim = subprocess.Popen(
+            [KUBELET_SIM, "serve", "--plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket, "--control", self.control],
+            stdout=subprocess.PIPE, stderr=open(self.root / "kubelet-sim.log", "a"), text=True,
+        )
+        line = self.ksim.stdout.readline()
+        assert '"ready"' in line, f"kubelet-sim did not start: {line!r}"
+        return self
+
+    def start_manager(self, *extra):
+        env = dict(self.sim.env)
+        self.manager = subprocess.Popen(
+            [MANAGER, "--device-plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket,
+             "--state-dir", self.state, "--run-dir", self.run_dir, "--library", VCUDA_LIB,
+             "--nvml-library", LIB / "libnvidia-ml.so.1", "--proc-root", self.proc_root,
+             "--recover-after", str(self.recover_after), "--log", "info", *extra],
+            env=env, stdout=subprocess.DEVNULL, stderr=open(self.manager_log, "a"),
+        )
+        return self
+
+    def stop_manager(self):
+        if self.manager and self.manager.poll() is None:
+            self.manager.send_signal(signal.SIGTERM)
+            self.manager.wait(timeout=10)
+        self.manager = None
+
+    def close(self):
+        self.stop_manager()
+        if self.ksim and self.ksim.poll() is None:
+            self.ksim.kill()
+            self.ksim.wait()
+
+    # ---- kubelet-sim ----------------------------------------------------------------------
+
+    def ksim_cmd(self, *args, check=True, timeout=60):
+        p = subprocess.run([KUBELET_SIM, *args, "--control", self.control], capture_output=True, text=True, timeout=timeout)
+        if check and p.returncode not in (0, 1):
+            raise AssertionError(f"kubelet-sim {args} exited {p.returncode}: {p.stderr}")
+        try:
+            return json.loads(p.stdout) if p.stdout.strip() else {"stderr": p.stderr, "rc": p.returncode}
+        except json.JSONDecodeError:
+            raise AssertionError(f"kubelet-sim {args}: {p.stdout!r} {p.stderr!r}")
+
+    def wait_registered(self, timeout=15):
+        for r in (CORE, MEMORY):
+            out = self.ksim_cmd("wait-registered", r, "--timeout", str(timeout))
+            assert out.get("name") == r, out
+        return self
+
+    def status(self):
+        return self.ksim_cmd("status")
+
+    def admit(self, pod, core=None, memory=None, namespace="default", container="main", start=True):
+        res = []
+        if core is not None:
+            res.append(f"{CORE}={core}")
+        if memory is not None:
+            res.append(f"{MEMORY}={memory}")
+        args = ["admit", "--pod", pod, "--namespace", namespace, "--container", f"{container}:{','.join(res)}"]
+        if not start:
+            args.append("--no-start")
+        return self.ksim_cmd(*args)
+
+    def pod_uid(self, pod, namespace="default"):
+        for p in self.status()["pods"]:
+            if p["name"] == pod and p["namespace"] == namespace:
+                return p["uid"]
+        raise AssertionError(f"kubelet-sim has no pod {namespace}/{pod}")
+
+    # ---- the container runtime's part -------------------------------------------------------
+
+    def container(self, admitted, pod, namespace="default"):
+        """The environment a process of this admitted container runs with."""
+        (c,) = admitted["containers"]
+        resp = c["allocate_response"]
+        mounts = {m["container_path"]: m["host_path"] for m in resp["mounts"]}
+        cfg_path = pathlib.Path(mounts["/etc/vcuda"]) / "vcuda.toml"
+        cfg = tomllib.loads(cfg_path.read_text())
+
+        def host(path):
+            for cpath, hpath in mounts.items():
+                if path == cpath or path.startswith(cpath + "/"):
+                    return hpath + path[len(cpath):]
+            return path
+
+        text = cfg_path.read_text()
+        for key in ("region", "socket"):
+            if key in cfg:
+                text = text.replace(f'"{cfg[key]}"', json.dumps(host(cfg[key])))
+        local = self.root / f"{namespace}.{pod}.vcuda.toml"
+        local.write_text(text)
+        env = dict(self.sim.env)
+        env.update(resp["envs"])  # then paths inside the container, translated:
+        env.update({
+            "VCUDA_CONFIG": str(local),
+            "LD_PRELOAD": host("/usr/local/vcuda/lib64/libvcuda.so"),
+            "PROC_ROOT": str(self.proc_root),
+            "POD_UID": self.pod_uid(pod, namespace),
+            "CONTAINER_ID": f"{namespace}-{pod}",
+        })
+        return Container(env, cfg, mounts)
+
+    def log(self):
+        return self.manager_log.read_text() if self.manager_log.exists() else ""
+
+
+class Container:
+    def __init__(self, env, config, mounts):
+        self.env = env
+        self.config = config
+        self.mounts = mounts
+
+    @property
+    def region(self):
+        return pathlib.Path(self.mounts["/run/vcuda/region"]) / "region"
+
+    def popen(self, args, **kw):
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        kw.setdefault("text", True)
+        return subprocess.Popen(["bash", "-c", WRAPPER, "wrapper", *map(str, args)], env=self.env, **kw)
+
+    def run(self, args, timeout=60):
+        p = self.popen(args)
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out, err
+
+
+def wait_for(what, pred, timeout=10.0, step=0.05):
+    """Poll `pred` (no event exists for these: log lines, files written by other processes)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
