@@ -69,7 +69,17 @@ pub async fn run(nvml: &'static Nvml, shared: Arc<Shared>) {
     loop {
         tick.tick().await;
         let (allocs, settings, layout_region, uuids) = {
-            let c = shared.core.lock();
+            let mut c = shared.core.lock();
+            // Pod UIDs (for attributing processes by cgroup) of containers none of whose
+            // processes registered yet — e.g. one that bypasses the library.
+            let unknown: Vec<String> = c
+                .allocations()
+                .filter(|a| a.owner.as_ref().is_some_and(|o| o.uid.is_none()))
+                .map(|a| a.id.clone())
+                .collect();
+            for id in unknown {
+                c.learn_pod_uid(&id);
+            }
             let allocs: Vec<Allocation> =
                 c.allocations().filter(|a| a.finished()).cloned().collect();
             let files: HashMap<String, std::path::PathBuf> = allocs

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -23,14 +23,15 @@ use crate::ids::{DeviceId, Kind};
 use crate::placement::{check_memory, preferred, Pairing};
 use crate::settings::Settings;
 
-/// Checkpoint format version.
-const CHECKPOINT_VERSION: u32 = 1;
+/// Format version of an allocation's record.
+const RECORD_VERSION: u32 = 1;
 
+/// What `<state-dir>/alloc/<id>/alloc.json` holds: the checkpoint is one small record per
+/// allocation, so a change rewrites only its own.
 #[derive(Serialize, Deserialize)]
-struct Checkpoint {
+struct Record {
     version: u32,
-    next_id: u64,
-    allocations: Vec<Allocation>,
+    allocation: Allocation,
 }
 
 /// The manager's state.
@@ -76,44 +77,57 @@ impl Core {
             epoch: Instant::now(),
             next_id: 1,
         };
-        let path = core.checkpoint_path();
-        match std::fs::read(&path) {
-            Ok(bytes) => {
-                let c: Checkpoint = serde_json::from_slice(&bytes).map_err(|e| {
-                    format!("checkpoint {} is unreadable ({e}); move it away to start afresh (running containers keep their limits)", path.display())
-                })?;
-                if c.version != CHECKPOINT_VERSION {
-                    return Err(format!(
-                        "checkpoint {} has version {}, this manager reads {CHECKPOINT_VERSION}",
-                        path.display(),
-                        c.version
-                    ));
-                }
-                core.next_id = c.next_id;
-                core.allocs = c
-                    .allocations
-                    .into_iter()
-                    .map(|a| (a.id.clone(), a))
-                    .collect();
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(format!("cannot read checkpoint {}: {e}", path.display())),
-        }
+        core.load()?;
         Ok(core)
     }
 
-    pub fn checkpoint_path(&self) -> PathBuf {
-        self.settings.state_dir.join("manager.json")
+    /// Read every allocation's record (a restarted manager). A record that cannot be read
+    /// is reported and its allocation left alone: its container keeps running with the config
+    /// it has, and the manager does not reuse its id.
+    fn load(&mut self) -> Result<(), String> {
+        let dir = self.layout.state_dir.join("alloc");
+        let entries =
+            std::fs::read_dir(&dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        for e in entries.flatten() {
+            let path = e.path().join("alloc.json");
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some(n) = name
+                .rsplit_once('-')
+                .and_then(|(_, n)| n.parse::<u64>().ok())
+            {
+                self.next_id = self.next_id.max(n + 1);
+            }
+            let Ok(bytes) = std::fs::read(&path) else {
+                continue;
+            };
+            match serde_json::from_slice::<Record>(&bytes) {
+                Ok(r) if r.version == RECORD_VERSION && r.allocation.id == name => {
+                    self.allocs.insert(name, r.allocation);
+                }
+                Ok(r) => {
+                    tracing::warn!(path = %path.display(), version = r.version, "allocation record of another version or id; left alone")
+                }
+                Err(err) => {
+                    tracing::warn!(path = %path.display(), error = %err, "unreadable allocation record; left alone")
+                }
+            }
+        }
+        Ok(())
     }
 
-    fn save(&self) -> Result<(), String> {
-        let c = Checkpoint {
-            version: CHECKPOINT_VERSION,
-            next_id: self.next_id,
-            allocations: self.allocs.values().cloned().collect(),
+    /// Write one allocation's record. Atomic (rename) but not synced: a manager crash keeps
+    /// what the kernel has, and after a power loss every container starts again and the
+    /// kubelet allocates afresh — so no fsync sits on Allocate's path.
+    fn save(&self, id: &str) -> Result<(), String> {
+        let Some(a) = self.allocs.get(id) else {
+            return Ok(());
         };
-        let text = serde_json::to_vec_pretty(&c).map_err(|e| e.to_string())?;
-        write_atomic(&self.checkpoint_path(), &text, 0o600)
+        let r = Record {
+            version: RECORD_VERSION,
+            allocation: a.clone(),
+        };
+        let text = serde_json::to_vec(&r).map_err(|e| e.to_string())?;
+        write_atomic(&self.layout.dir(id).join("alloc.json"), &text, 0o600)
     }
 
     fn now(&self) -> Duration {
@@ -198,8 +212,8 @@ impl Core {
             std::fs::Permissions::from_mode(0o1777),
         );
         let a = answer(&self.layout, &alloc, &self.inventory.gpus);
-        self.allocs.insert(id, alloc);
-        self.save()?;
+        self.allocs.insert(id.clone(), alloc);
+        self.save(&id)?;
         Ok(a)
     }
 
@@ -213,6 +227,23 @@ impl Core {
     /// PreStartContainer: `held` is what PodResources says the container holds (`None`: it
     /// lists no container with these devices), `pod_uid` what the kubelet's checkpoint says.
     /// Writes the config the library reads; returns the allocation's id.
+    /// PreStartContainer for an allocation already configured (the container's other
+    /// resource, or a container restart): the kubelet cannot change a container's devices
+    /// without a new Allocate, so there is nothing to check or write. Returns its id.
+    pub fn already_started(&self, kind: Kind, ids: &[String]) -> Option<String> {
+        self.allocs
+            .values()
+            .find(|a| {
+                let mine = match kind {
+                    Kind::Core => &a.cores,
+                    Kind::Memory => &a.memory,
+                };
+                a.finished() && !ids.is_empty() && ids.iter().all(|i| mine.contains(i))
+            })
+            .filter(|a| self.layout.config_file(&a.id).exists())
+            .map(|a| a.id.clone())
+    }
+
     pub fn pre_start(
         &mut self,
         kind: Kind,
@@ -240,6 +271,13 @@ impl Core {
             .ok_or_else(|| format!("{}/{} container {}: its vcuda-core devices were not allocated by this manager (was its state directory {} lost?); delete the pod to allocate again", held.namespace, held.pod, held.container, self.settings.state_dir.display()))?;
         let alloc = &self.allocs[&id];
         let quota = finish(&self.inventory.node, alloc, &held)?;
+        // The container's other resource, or a restart: nothing changed, nothing to write.
+        let same = alloc.owner.as_ref().is_some_and(|o| {
+            o.pod == held.pod && o.namespace == held.namespace && o.container == held.container
+        });
+        if same && alloc.memory == held.memory && self.layout.config_file(&id).exists() {
+            return Ok(id);
+        }
         let owner = Owner {
             namespace: held.namespace.clone(),
             pod: held.pod.clone(),
@@ -263,15 +301,35 @@ impl Core {
             config.to_toml().as_bytes(),
             0o644,
         )?;
-        self.save()?;
+        self.save(&id)?;
         Ok(id)
+    }
+
+    /// The pod UID of an allocation, from the kubelet's checkpoint, when a process of it
+    /// registers or the control loop needs it (kept off PreStartContainer's path).
+    pub fn learn_pod_uid(&mut self, id: &str) {
+        let Some(a) = self.allocs.get(id) else { return };
+        if a.owner.as_ref().is_none_or(|o| o.uid.is_some()) {
+            return;
+        }
+        let resource = Kind::Core.resource(&self.settings.domain);
+        let uid = std::fs::read_to_string(&self.settings.kubelet_checkpoint)
+            .ok()
+            .and_then(|t| identity::parse_checkpoint(&t).ok())
+            .and_then(|e| identity::pod_uid_of(&e, &resource, &a.cores));
+        if let (Some(uid), Some(a)) = (uid, self.allocs.get_mut(id)) {
+            if let Some(o) = a.owner.as_mut() {
+                o.uid = Some(uid);
+            }
+            let _ = self.save(id);
+        }
     }
 
     /// Forget an allocation whose container is gone, and its files.
     pub fn remove(&mut self, id: &str) -> Result<(), String> {
         if self.allocs.remove(id).is_some() {
-            let _ = std::fs::remove_dir_all(self.layout.dir(id));
-            self.save()?;
+            std::fs::remove_dir_all(self.layout.dir(id))
+                .map_err(|e| format!("cannot remove {}: {e}", self.layout.dir(id).display()))?;
         }
         Ok(())
     }
@@ -279,7 +337,8 @@ impl Core {
     /// A process claims an allocation over the control socket: check the claim against the
     /// host's view of the connecting process (`host_pid`, from the socket's credentials)
     /// and record its host pid in its region slot. Returns the host pid, or why not.
-    pub fn hello(&self, hello: &Hello, host_pid: u32) -> Result<u32, String> {
+    pub fn hello(&mut self, hello: &Hello, host_pid: u32) -> Result<u32, String> {
+        self.learn_pod_uid(&hello.allocation);
         let alloc = self
             .allocs
             .get(&hello.allocation)
@@ -346,8 +405,9 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Write a file so that readers see the old or the new content, never a mix, and a crash
-/// leaves one of the two: a temporary file in the same directory, synced, renamed.
+/// Write a file so that readers see the old or the new content, never a mix, and a crash of
+/// the writer leaves one of the two: a temporary file in the same directory, renamed. Not
+/// synced to disk (see [`Core::save`]).
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = dir.join(format!(
@@ -358,9 +418,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> 
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
+        std::fs::rename(&tmp, path)
     })();
     res.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
@@ -466,6 +524,20 @@ mod tests {
             assert!(!seen.contains(&id));
             seen.push(id);
         }
+        // The other resource's PreStartContainer, and restarts, need no lookup.
+        let a0 = c.allocation(&seen[0]).unwrap().clone();
+        assert_eq!(
+            c.already_started(Kind::Memory, &a0.memory),
+            Some(seen[0].clone())
+        );
+        assert_eq!(
+            c.already_started(Kind::Core, &a0.cores),
+            Some(seen[0].clone())
+        );
+        assert_eq!(
+            c.already_started(Kind::Core, &ids(U1, Kind::Core, 0, 5)),
+            None
+        );
         let first = c.allocation(&seen[0]).unwrap();
         assert_eq!(first.core_limit, Some(60), "ns/p0/c has an elastic limit");
         assert!(std::fs::read_to_string(c.layout.config_file(&seen[0]))

@@ -45,6 +45,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
         health: health_tx,
+        pod_resources: tokio::sync::Mutex::new(None),
     });
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -65,24 +66,39 @@ pub async fn run(settings: Settings) -> Result<()> {
     tokio::spawn(crate::control::serve(listener, shared.clone()));
     tokio::spawn(crate::control_loop::run(nvml, shared.clone()));
 
-    let mut shutdown = Box::pin(shutdown_signal());
+    // Signal handlers now, so a SIGTERM at any moment below is seen.
+    let mut shutdown = Box::pin(shutdown_signal()?);
+    let dir = settings.device_plugin_dir.clone();
     loop {
         let plugins = Plugins::start(&settings, &shared).await?;
-        let started = Instant::now();
-        register_all(&settings).await;
-        info!(
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "registered with the kubelet"
-        );
-        let restart = watch_kubelet(&settings.device_plugin_dir);
-        tokio::select! {
-            why = restart => {
-                info!(%why, "the kubelet restarted: serving and registering again");
-                plugins.stop().await;
+        let cycle = async {
+            let started = Instant::now();
+            if let Err(why) = register_all(&settings).await {
+                return why;
             }
+            info!(
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "registered with the kubelet"
+            );
+            watch_kubelet(&dir).await
+        };
+        let outcome = tokio::select! {
+            why = cycle => Some(why),
+            _ = &mut shutdown => None,
+        };
+        plugins.stop().await;
+        let Some(why) = outcome else {
+            info!("shutting down");
+            stop.store(true, Ordering::Relaxed);
+            return Ok(());
+        };
+        info!(%why, "the kubelet restarted: serving and registering again");
+        // The kubelet deletes the plugin sockets before it re-creates kubelet.sock: serve
+        // again only once that is done, or it deletes the new sockets too.
+        tokio::select! {
+            _ = kubelet_ready(&dir) => {}
             _ = &mut shutdown => {
                 info!("shutting down");
-                plugins.stop().await;
                 stop.store(true, Ordering::Relaxed);
                 return Ok(());
             }
@@ -90,13 +106,30 @@ pub async fn run(settings: Settings) -> Result<()> {
     }
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
+/// Resolves once `kubelet.sock` exists and accepts connections.
+async fn kubelet_ready(dir: &Path) {
+    let sock = dir.join("kubelet.sock");
+    let mut delay = Duration::from_millis(5);
+    loop {
+        if tokio::net::UnixStream::connect(&sock).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(200));
     }
+}
+
+/// Installs the SIGTERM / SIGINT handlers at once; the future resolves on either.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
 }
 
 /// The two device-plugin servers.
@@ -149,11 +182,17 @@ impl Plugins {
     }
 }
 
-/// Register both resources; retry (with back-off, logging) until the kubelet accepts.
-async fn register_all(settings: &Settings) {
+/// Register both resources; retry (with back-off, logging) until the kubelet accepts. Gives
+/// up (to serve afresh) if one of our sockets is gone meanwhile: the kubelet could never
+/// dial it back.
+async fn register_all(settings: &Settings) -> Result<(), String> {
     for kind in [Kind::Core, Kind::Memory] {
         let mut delay = Duration::from_millis(50);
         loop {
+            let ours = settings.device_plugin_dir.join(kind.socket());
+            if !ours.exists() {
+                return Err(format!("{} was deleted while registering", ours.display()));
+            }
             match register(settings, kind).await {
                 Ok(()) => break,
                 Err(e) => {
@@ -164,6 +203,7 @@ async fn register_all(settings: &Settings) {
             }
         }
     }
+    Ok(())
 }
 
 async fn register(settings: &Settings, kind: Kind) -> Result<(), String> {

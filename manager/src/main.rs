@@ -13,6 +13,7 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("--log {:?} is not a valid filter", settings.log))?,
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -16,7 +16,6 @@ use vcuda_proto::podresources::v1 as pr;
 
 use crate::allocation::{Answer, Holdings};
 use crate::core::Core;
-use crate::identity;
 use crate::ids::{all_ids, Kind};
 
 /// What every service shares.
@@ -24,6 +23,8 @@ pub struct Shared {
     pub core: Mutex<Core>,
     /// Health of each GPU (NVML order); ListAndWatch streams follow it.
     pub health: watch::Sender<Vec<bool>>,
+    /// The PodResources connection, made on first use and kept (it re-dials by itself).
+    pub pod_resources: tokio::sync::Mutex<Option<tonic::transport::Channel>>,
 }
 
 /// The device plugin of one resource.
@@ -160,16 +161,23 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         &self,
         req: Request<dp::PreStartContainerRequest>,
     ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
+        let t0 = std::time::Instant::now();
         let ids = req.into_inner().devices_ids;
-        let (socket, checkpoint, domain) = {
+        let (socket, domain) = {
             let core = self.shared.core.lock();
+            if let Some(id) = core.already_started(self.kind, &ids) {
+                tracing::debug!(allocation = %id, "PreStartContainer: already configured");
+                return Ok(Response::new(dp::PreStartContainerResponse {}));
+            }
             (
                 core.settings.pod_resources_socket.clone(),
-                core.settings.kubelet_checkpoint.clone(),
                 core.settings.domain.clone(),
             )
         };
-        let held = holdings(&socket, &domain, self.kind, &ids)
+        let t1 = std::time::Instant::now();
+        let held = self
+            .shared
+            .holdings(&socket, &domain, self.kind, &ids)
             .await
             .map_err(|e| {
                 Status::unavailable(format!(
@@ -177,11 +185,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                     socket.display()
                 ))
             })?;
-        let uid = held.as_ref().and_then(|h| {
-            let text = std::fs::read_to_string(&checkpoint).ok()?;
-            let entries = identity::parse_checkpoint(&text).ok()?;
-            identity::pod_uid_of(&entries, &Kind::Core.resource(&domain), &h.cores)
-        });
+        tracing::debug!(us = t1.elapsed().as_micros() as u64, "PodResources List");
         let who = held
             .as_ref()
             .map(|h| format!("{}/{}/{}", h.namespace, h.pod, h.container));
@@ -189,10 +193,10 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
             .shared
             .core
             .lock()
-            .pre_start(self.kind, &ids, held, uid);
+            .pre_start(self.kind, &ids, held, None);
         match res {
             Ok(id) => {
-                info!(allocation = %id, container = who.as_deref().unwrap_or("?"), "container configured");
+                info!(allocation = %id, container = who.as_deref().unwrap_or("?"), us = t0.elapsed().as_micros() as u64, "container configured");
                 Ok(Response::new(dp::PreStartContainerResponse {}))
             }
             Err(reason) => {
@@ -211,33 +215,59 @@ pub fn options() -> dp::DevicePluginOptions {
     }
 }
 
-/// Ask PodResources which container holds `ids` of `kind`, and what it holds of both
-/// resources.
-pub async fn holdings(
-    socket: &std::path::Path,
+impl Shared {
+    /// Ask PodResources which container holds `ids` of `kind`, and what it holds of both
+    /// resources.
+    pub async fn holdings(
+        &self,
+        socket: &std::path::Path,
+        domain: &str,
+        kind: Kind,
+        ids: &[String],
+    ) -> Result<Option<Holdings>, String> {
+        let channel = {
+            let mut cached = self.pod_resources.lock().await;
+            match cached.as_ref() {
+                Some(c) => c.clone(),
+                None => {
+                    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+                        .connect_timeout(Duration::from_secs(2))
+                        .timeout(Duration::from_secs(10));
+                    let c = vcuda_proto::uds::connect_with(endpoint, socket)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    *cached = Some(c.clone());
+                    c
+                }
+            }
+        };
+        let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
+        let list = match client.list(pr::ListPodResourcesRequest {}).await {
+            Ok(l) => l.into_inner(),
+            Err(e) => {
+                *self.pod_resources.lock().await = None; // dial afresh next time
+                return Err(e.message().to_string());
+            }
+        };
+        Ok(find(&list, domain, kind, ids))
+    }
+}
+
+/// The container of a PodResources list holding any of `ids` of `kind` (the list has one
+/// entry per device: group by resource name).
+pub fn find(
+    list: &pr::ListPodResourcesResponse,
     domain: &str,
     kind: Kind,
     ids: &[String],
-) -> Result<Option<Holdings>, String> {
-    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(10));
-    let channel = vcuda_proto::uds::connect_with(endpoint, socket)
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
-    let list = client
-        .list(pr::ListPodResourcesRequest {})
-        .await
-        .map_err(|e| e.message().to_string())?
-        .into_inner();
+) -> Option<Holdings> {
     let (core_name, mem_name, mine) = (
         Kind::Core.resource(domain),
         Kind::Memory.resource(domain),
         kind.resource(domain),
     );
-    for pod in list.pod_resources {
-        for c in pod.containers {
+    for pod in &list.pod_resources {
+        for c in &pod.containers {
             let of = |name: &str| -> Vec<String> {
                 c.devices
                     .iter()
@@ -246,15 +276,15 @@ pub async fn holdings(
                     .collect()
             };
             if of(&mine).iter().any(|d| ids.contains(d)) {
-                return Ok(Some(Holdings {
+                return Some(Holdings {
                     namespace: pod.namespace.clone(),
                     pod: pod.name.clone(),
                     container: c.name.clone(),
                     cores: of(&core_name),
                     memory: of(&mem_name),
-                }));
+                });
             }
         }
     }
-    Ok(None)
+    None
 }

@@ -49,6 +49,7 @@ class Node:
         for d in (self.plugin_dir, self.pr_socket.parent, self.proc_root):
             d.mkdir(parents=True, exist_ok=True)
         self.recover_after = recover_after
+        self.log_level = "info"
         self.manager_log = root / "manager.log"
         self.ksim = None
         self.manager = None
@@ -70,7 +71,7 @@ class Node:
             [MANAGER, "--device-plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket,
              "--state-dir", self.state, "--run-dir", self.run_dir, "--library", VCUDA_LIB,
              "--nvml-library", LIB / "libnvidia-ml.so.1", "--proc-root", self.proc_root,
-             "--recover-after", str(self.recover_after), "--log", "info", *extra],
+             "--recover-after", str(self.recover_after), "--log", self.log_level, *extra],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.manager_log, "a"),
         )
         return self

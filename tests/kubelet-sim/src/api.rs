@@ -162,6 +162,19 @@ pub struct Status {
     pub pods: Vec<PodStatus>,
     /// Things a real kubelet would handle differently or badly (see README).
     pub warnings: Vec<String>,
+    /// How long the plugin took to answer each Allocate and PreStartContainer, as the kubelet
+    /// sees it (the last 10 000), for benchmarks.
+    #[serde(default)]
+    pub rpc_timings: Vec<RpcTiming>,
+}
+
+/// One device-plugin RPC's round trip.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RpcTiming {
+    /// `Allocate` or `PreStartContainer`.
+    pub rpc: String,
+    pub resource: String,
+    pub micros: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

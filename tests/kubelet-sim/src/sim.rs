@@ -122,6 +122,20 @@ struct State {
     /// uid → container → resource → allocation (the device manager's `podDevices`).
     pod_devices: BTreeMap<String, BTreeMap<String, BTreeMap<String, Alloc>>>,
     warnings: Vec<String>,
+    rpc_timings: std::collections::VecDeque<crate::api::RpcTiming>,
+}
+
+impl State {
+    fn timed(&mut self, rpc: &str, resource: &str, took: std::time::Duration) {
+        if self.rpc_timings.len() >= 10_000 {
+            self.rpc_timings.pop_front();
+        }
+        self.rpc_timings.push_back(crate::api::RpcTiming {
+            rpc: rpc.into(),
+            resource: resource.into(),
+            micros: took.as_micros() as u64,
+        });
+    }
 }
 
 struct Resource {
@@ -876,6 +890,7 @@ impl Simulator {
 
         let mut client = client.ok_or_else(|| endpoint_stopped(resource))?;
         info!(resource, container, devices = ?picked, "Allocate");
+        let t0 = std::time::Instant::now();
         let response = client
             .allocate(AllocateRequest {
                 container_requests: vec![ContainerAllocateRequest {
@@ -885,6 +900,7 @@ impl Simulator {
             .await
             .map_err(|s| go_err(&s))?
             .into_inner();
+        self.inner.state().timed("Allocate", resource, t0.elapsed());
         let response = response
             .container_responses
             .into_iter()
@@ -1029,7 +1045,12 @@ impl Simulator {
         });
         request.set_timeout(timeout);
         info!(resource, container, "PreStartContainer");
-        match tokio::time::timeout(timeout, client.pre_start_container(request)).await {
+        let t0 = std::time::Instant::now();
+        let res = tokio::time::timeout(timeout, client.pre_start_container(request)).await;
+        self.inner
+            .state()
+            .timed("PreStartContainer", resource, t0.elapsed());
+        match res {
             Err(_) => Err(failed(
                 "rpc error: code = DeadlineExceeded desc = context deadline exceeded".into(),
             )),
@@ -1123,6 +1144,7 @@ impl Simulator {
                 })
                 .collect(),
             warnings: st.warnings.clone(),
+            rpc_timings: st.rpc_timings.iter().cloned().collect(),
         }
     }
 
