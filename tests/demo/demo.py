@@ -1,0 +1,113 @@
+"""The demo (run by scripts/demo, after it has built everything): the whole system on a
+simulated GPU node. kubelet-sim plays the kubelet, gpusim the GPUs, vcuda-manager is the real
+daemon, and libvcuda runs inside two "pods" sharing GPU 0:
+
+  pod A: tencent.com/vcuda-core 30, tencent.com/vcuda-memory 16 (4 GiB)
+  pod B: tencent.com/vcuda-core 70, tencent.com/vcuda-memory 32 (8 GiB)
+
+Each runs a saturating kernel loop and holds device memory; gpusim's ground truth shows
+their usage; pod A asks for more than its quota and is refused; and first, a request the
+contract does not allow is refused with a reason the user reads in `kubectl describe pod`.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "gpusim" / "e2e"))
+
+from conftest import Sim  # noqa: E402
+from node_common import CORE, MEMORY, Node  # noqa: E402
+
+
+def say(msg):
+    print(f"\n\033[1m== {msg}\033[0m", flush=True)
+
+
+def main():
+    bins = pathlib.Path(sys.argv[1])
+    work = pathlib.Path(tempfile.mkdtemp(prefix="vcuda-demo."))
+    sim = Sim(work)
+    node = Node(sim, work / "node")
+    procs = []
+    try:
+        say("kubelet-sim (the kubelet's device manager) and vcuda-manager start; the manager registers two resources")
+        t0 = time.monotonic()
+        node.start_kubelet().start_manager().wait_registered()
+        for r in node.status()["resources"]:
+            print(f"  {r['name']:24} {len(r['devices']):4} devices, {len(r['healthy'])} healthy  (registered {time.monotonic() - t0:.2f} s after start)")
+
+        say("a pod asking for 150 cores (neither a share nor whole GPUs) is refused with a reason")
+        r = node.admit("pod-x", core=150, memory=4)
+        print(f"  admitted: {r['admitted']}; {r['rejection']['reason']}: {r['rejection']['message']}")
+
+        say("pods A (30 % + 4 GiB) and B (70 % + 8 GiB) are admitted; the manager places both on one GPU")
+        pods = {}
+        for name, core, mem in (("pod-a", 30, 16), ("pod-b", 70, 32)):
+            r = node.admit(name, core=core, memory=mem)
+            assert r["admitted"] and r["containers"][0]["start"]["started"], json.dumps(r, indent=1)
+            c = node.container(r, name)
+            g = c.config["gpu"][0]
+            print(f"  {name}: {CORE}={core} {MEMORY}={mem} -> GPU {g['uuid']}: core {g['core']} %, memory {g['memory_mib']} MiB")
+            mounts = ", ".join(sorted(c.mounts))
+            print(f"         mounts {mounts}")
+            pods[name] = c
+
+        say("each pod runs a saturating kernel loop and holds device memory (libvcuda preloaded)")
+        loads, fills = {}, {}
+        for name, hold in (("pod-a", 3072), ("pod-b", 6144)):
+            c = pods[name]
+            f = c.popen([bins / "fill", 512, hold], stdin=subprocess.PIPE)
+            procs.append(f)
+            for line in f.stdout:
+                if "holds" in line or "failed" in line:
+                    print(f"  [{name} fill] {line.strip()}")
+                    break
+            fills[name] = f
+            ld = c.popen([bins / "load", "--kernel", "spin_1ms", "--seconds", "6"])
+            procs.append(ld)
+            loads[name] = int(ld.stdout.readline().split("=")[1])
+        time.sleep(1.5)
+        s0 = sim.status()
+        time.sleep(3)
+        s1 = sim.status()
+        say("gpusim's ground truth for GPU 0 over 3 s (every process, memory and busy time)")
+        g0, g1 = s0["gpus"][0], s1["gpus"][0]
+        span = s1["time_ns"] - s0["time_ns"]
+        before = {p["pid"]: p["busy_ns"] for p in g0["processes"]}
+        print(f"  GPU 0: {g1['memory_used'] >> 20} of {g1['memory_total'] >> 20} MiB used")
+        for name in ("pod-a", "pod-b"):
+            pid = loads[name]
+            p = next(p for p in g1["processes"] if p["pid"] == pid)
+            fp = next(p for p in g1["processes"] if p["pid"] == fills[name].pid)
+            util = (p["busy_ns"] - before.get(pid, 0)) / span
+            print(f"  {name}: kernel loop {util:6.1%} of the GPU; memory {(fp['memory'] + p['memory']) >> 20} MiB held by its two processes")
+        for ld in procs[1::2]:
+            ld.wait(timeout=30)
+
+        say("pod A asks for 2 GiB more than it has left: refused with CUDA_ERROR_OUT_OF_MEMORY, the application carries on")
+        f = pods["pod-a"].popen([bins / "fill", 2048, 2048], stdin=subprocess.PIPE)
+        for line in f.stdout:
+            print(f"  [pod-a] {line.rstrip()}")
+            if "holds" in line or "failed" in line:
+                break
+        f.stdin.close()
+        f.wait(timeout=30)
+
+        say(f"done in {time.monotonic() - t0:.0f} s (tests: scripts/test; accuracy: scripts/bench-limiter)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                if p.stdin:
+                    p.stdin.close()
+                p.kill()
+                p.wait()
+        node.close()
+
+
+if __name__ == "__main__":
+    main()
