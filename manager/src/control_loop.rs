@@ -23,6 +23,8 @@ use crate::plugin::Shared;
 
 const PERIOD: Duration = Duration::from_millis(167);
 const GC_PERIOD: Duration = Duration::from_secs(10);
+/// How often pod UIDs still unknown are looked up in the kubelet's checkpoint.
+const UID_LOOKUP_PERIOD: Duration = Duration::from_secs(1);
 /// An allocation is not collected before its container had time to start.
 const GC_GRACE_SECS: u64 = 120;
 
@@ -65,6 +67,7 @@ pub async fn run(nvml: &'static Nvml, shared: Arc<Shared>) {
     let mut regions: HashMap<String, Region> = HashMap::new();
     let mut over_before: Vec<(String, usize)> = Vec::new();
     let mut last_gc = Instant::now();
+    let mut last_uid_lookup = Instant::now() - UID_LOOKUP_PERIOD;
     let mut tick = tokio::time::interval(PERIOD);
     loop {
         tick.tick().await;
@@ -72,11 +75,16 @@ pub async fn run(nvml: &'static Nvml, shared: Arc<Shared>) {
             let mut c = shared.core.lock();
             // Pod UIDs (for attributing processes by cgroup) of containers none of whose
             // processes registered yet — e.g. one that bypasses the library.
-            let unknown: Vec<String> = c
-                .allocations()
-                .filter(|a| a.owner.as_ref().is_some_and(|o| o.uid.is_none()))
-                .map(|a| a.id.clone())
-                .collect();
+            // Read the kubelet's checkpoint at most once a second for this, not every tick.
+            let unknown: Vec<String> = if last_uid_lookup.elapsed() >= UID_LOOKUP_PERIOD {
+                last_uid_lookup = Instant::now();
+                c.allocations()
+                    .filter(|a| a.owner.as_ref().is_some_and(|o| o.uid.is_none()))
+                    .map(|a| a.id.clone())
+                    .collect()
+            } else {
+                Vec::new()
+            };
             for id in unknown {
                 c.learn_pod_uid(&id);
             }
