@@ -52,7 +52,11 @@ def test_cuda_python_runs_a_workload(sim):
     assert out["count"] == 2 and out["version"] == 12090
     assert out["name"] == "NVIDIA A100-SXM4-40GB"
     assert out["roundtrip"] is True
-    assert abs(out["elapsed_ms"] - 100.0) < 0.5, "20 kernels of 5 ms on the device timeline"
+    # The start event lands on an idle device at record time, so the host's gap before the
+    # first launch shows up in the elapsed time, as on a real GPU; the kernels themselves run
+    # back to back (busy_ns below is exact). A slow CI host can add a few milliseconds, never
+    # take any away.
+    assert 100.0 <= out["elapsed_ms"] < 105.0, "20 kernels of 5 ms on the device timeline"
     held = (256 + 300 + 1) << 20  # allocation + context + module
     assert out["used_by_me"] == held
     gpu1 = sim.status()["gpus"][1]
