@@ -103,16 +103,28 @@ impl Allocation {
     }
 }
 
-/// The host side of an allocation's files.
+/// The host side of an allocation's files. The checkpoint and the preload file live in
+/// `state_dir` (on disk); an allocation's config and region in `run_dir/alloc/<id>` (tmpfs
+/// `/run` on a real node: the region is shared memory the limiter writes thousands of times
+/// a second, which a disk would write back for nothing, and both are remade by
+/// PreStartContainer after a reboot).
 pub struct Layout {
     pub state_dir: PathBuf,
+    pub run_dir: PathBuf,
     pub socket_dir: PathBuf,
     pub library: PathBuf,
 }
 
 impl Layout {
+    /// Where every allocation's directory is.
+    pub fn allocations_dir(&self) -> PathBuf {
+        self.run_dir.join("alloc")
+    }
     pub fn dir(&self, id: &str) -> PathBuf {
-        self.state_dir.join("alloc").join(id)
+        self.allocations_dir().join(id)
+    }
+    pub fn journal(&self) -> PathBuf {
+        self.state_dir.join("allocations.jsonl")
     }
     pub fn config_dir(&self, id: &str) -> PathBuf {
         self.dir(id).join("etc")
@@ -339,6 +351,7 @@ mod tests {
     fn the_answer_mounts_everything_the_library_needs() {
         let layout = Layout {
             state_dir: "/var/lib/vcuda".into(),
+            run_dir: "/run/vcuda".into(),
             socket_dir: "/run/vcuda/sock".into(),
             library: "/opt/vcuda/libvcuda.so".into(),
         };
@@ -358,7 +371,7 @@ mod tests {
             a.mounts[..3].iter().all(|m| m.read_only),
             "library, preload and config are read-only"
         );
-        assert_eq!(a.mounts[2].host, Path::new("/var/lib/vcuda/alloc/a1/etc"));
+        assert_eq!(a.mounts[2].host, Path::new("/run/vcuda/alloc/a1/etc"));
         assert!(a.devices.iter().any(|d| d.host == "/dev/nvidia1"));
         assert!(
             !a.devices.iter().any(|d| d.host == "/dev/nvidia0"),

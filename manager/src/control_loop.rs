@@ -63,31 +63,41 @@ pub fn violations(
         .collect()
 }
 
-pub async fn run(nvml: &'static Nvml, shared: Arc<Shared>) {
+/// Start the loop on a thread of its own: its work (NVML, /proc, regions, the kubelet's
+/// checkpoint) blocks, and the gRPC services' runtime threads must stay free for the
+/// kubelet. `rt` runs the one asynchronous step (PodResources for garbage collection).
+pub fn start(
+    nvml: &'static Nvml,
+    shared: Arc<Shared>,
+    rt: tokio::runtime::Handle,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("control-loop".into())
+        .spawn(move || run(nvml, shared, rt))
+        .map(|_| ())
+}
+
+fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
     let mut regions: HashMap<String, Region> = HashMap::new();
     let mut over_before: Vec<(String, usize)> = Vec::new();
     let mut last_gc = Instant::now();
     let mut last_uid_lookup = Instant::now() - UID_LOOKUP_PERIOD;
-    let mut tick = tokio::time::interval(PERIOD);
+    let mut next = Instant::now();
     loop {
-        tick.tick().await;
+        // A fixed cadence; a slow round is not made up for by a burst of quick ones.
+        next = (next + PERIOD).max(Instant::now());
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+        // Pod UIDs (for attributing processes by cgroup) of containers none of whose
+        // processes registered yet — e.g. one that bypasses the library. The kubelet's
+        // checkpoint is read at most once a second for this, and outside the lock.
+        if last_uid_lookup.elapsed() >= UID_LOOKUP_PERIOD && shared.core.lock().uids_wanted() {
+            last_uid_lookup = Instant::now();
+            let path = shared.core.lock().settings.kubelet_checkpoint.clone();
+            let entries = crate::core::read_checkpoint(&path);
+            shared.core.lock().apply_pod_uids(&entries);
+        }
         let (allocs, settings, layout_region, uuids) = {
-            let mut c = shared.core.lock();
-            // Pod UIDs (for attributing processes by cgroup) of containers none of whose
-            // processes registered yet — e.g. one that bypasses the library.
-            // Read the kubelet's checkpoint at most once a second for this, not every tick.
-            let unknown: Vec<String> = if last_uid_lookup.elapsed() >= UID_LOOKUP_PERIOD {
-                last_uid_lookup = Instant::now();
-                c.allocations()
-                    .filter(|a| a.owner.as_ref().is_some_and(|o| o.uid.is_none()))
-                    .map(|a| a.id.clone())
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            for id in unknown {
-                c.learn_pod_uid(&id);
-            }
+            let c = shared.core.lock();
             let allocs: Vec<Allocation> =
                 c.allocations().filter(|a| a.finished()).cloned().collect();
             let files: HashMap<String, std::path::PathBuf> = allocs
@@ -202,40 +212,27 @@ pub async fn run(nvml: &'static Nvml, shared: Arc<Shared>) {
 
         if last_gc.elapsed() >= GC_PERIOD {
             last_gc = Instant::now();
-            collect(&shared, &settings).await;
+            rt.block_on(collect(&shared, &settings));
+            if let Err(e) = shared.core.lock().compact_checkpoint() {
+                warn!(error = %e, "cannot compact the checkpoint; it keeps growing until this is fixed");
+            }
         }
     }
 }
 
 /// Remove allocations no container holds any more (per PodResources), after a grace period.
 async fn collect(shared: &Shared, settings: &crate::settings::Settings) {
-    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(5));
-    let Ok(channel) =
-        vcuda_proto::uds::connect_with(endpoint, &settings.pod_resources_socket).await
-    else {
-        return;
-    };
-    let mut client =
-        vcuda_proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient::new(
-            channel,
-        );
-    let Ok(list) = client
-        .list(vcuda_proto::podresources::v1::ListPodResourcesRequest {})
-        .await
-    else {
+    let Ok(list) = shared.fresh_list(&settings.pod_resources_socket).await else {
         return;
     };
     let core_name = Kind::Core.resource(&settings.domain);
-    let held: Vec<String> = list
-        .into_inner()
+    let held: std::collections::HashSet<&str> = list
         .pod_resources
-        .into_iter()
-        .flat_map(|p| p.containers)
-        .flat_map(|c| c.devices)
+        .iter()
+        .flat_map(|p| &p.containers)
+        .flat_map(|c| &c.devices)
         .filter(|d| d.resource_name == core_name)
-        .flat_map(|d| d.device_ids)
+        .flat_map(|d| d.device_ids.iter().map(String::as_str))
         .collect();
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -245,7 +242,7 @@ async fn collect(shared: &Shared, settings: &crate::settings::Settings) {
         .allocations()
         .filter(|a| {
             now.saturating_sub(a.created) > GC_GRACE_SECS
-                && !a.cores.iter().any(|c| held.contains(c))
+                && !a.cores.iter().any(|c| held.contains(c.as_str()))
         })
         .map(|a| a.id.clone())
         .collect();

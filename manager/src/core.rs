@@ -8,7 +8,6 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
 use vcuda_contract::config::parse_uuid;
 use vcuda_contract::control::Hello;
 use vcuda_contract::region::Region;
@@ -20,19 +19,9 @@ use crate::allocation::{
 use crate::gpus::Inventory;
 use crate::identity;
 use crate::ids::{DeviceId, Kind};
+use crate::journal::Journal;
 use crate::placement::{check_memory, preferred, Pairing};
 use crate::settings::Settings;
-
-/// Format version of an allocation's record.
-const RECORD_VERSION: u32 = 1;
-
-/// What `<state-dir>/alloc/<id>/alloc.json` holds: the checkpoint is one small record per
-/// allocation, so a change rewrites only its own.
-#[derive(Serialize, Deserialize)]
-struct Record {
-    version: u32,
-    allocation: Allocation,
-}
 
 /// The manager's state.
 pub struct Core {
@@ -40,17 +29,19 @@ pub struct Core {
     pub inventory: Inventory,
     pub layout: Layout,
     allocs: BTreeMap<String, Allocation>,
+    journal: Journal,
     pairing: Pairing,
     epoch: Instant,
     next_id: u64,
 }
 
 impl Core {
-    /// Load the checkpoint (if any) and prepare the state directory: the preload file every
-    /// container mounts, and the allocation directories.
+    /// Load the checkpoint (if any) and prepare the state and run directories: the preload
+    /// file every container mounts, and the allocation directories.
     pub fn open(settings: Settings, inventory: Inventory) -> Result<Core, String> {
         let layout = Layout {
             state_dir: settings.state_dir.clone(),
+            run_dir: settings.run_dir.clone(),
             socket_dir: settings
                 .socket_path()
                 .parent()
@@ -61,73 +52,85 @@ impl Core {
         let mk = |p: &Path| {
             std::fs::create_dir_all(p).map_err(|e| format!("cannot create {}: {e}", p.display()))
         };
-        mk(&layout.state_dir.join("alloc"))?;
+        mk(&layout.state_dir)?;
+        mk(&layout.allocations_dir())?;
         mk(&layout.socket_dir)?;
         write_atomic(
             &layout.preload_file(),
             format!("{CONTAINER_LIBRARY}\n").as_bytes(),
             0o644,
         )?;
-        let mut core = Core {
+        let (journal, replay) = Journal::open(&layout.journal())?;
+        if replay.skipped > 0 {
+            tracing::warn!(
+                checkpoint = %layout.journal().display(),
+                skipped = replay.skipped,
+                "checkpoint lines that could not be read were dropped; their containers keep running, and PreStartContainer for them fails with a reason"
+            );
+        }
+        // Ids are never reused: past the highest in the checkpoint and in the run directory.
+        let seq = |name: &str| {
+            name.rsplit_once('-')
+                .and_then(|(_, n)| n.parse::<u64>().ok())
+        };
+        let on_disk: Vec<String> = std::fs::read_dir(layout.allocations_dir())
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let next_id = replay
+            .allocations
+            .keys()
+            .chain(on_disk.iter())
+            .filter_map(|n| seq(n))
+            .max()
+            .map_or(1, |n| n + 1);
+        for orphan in on_disk
+            .iter()
+            .filter(|n| !replay.allocations.contains_key(*n))
+        {
+            tracing::warn!(dir = %layout.dir(orphan).display(), "allocation directory the checkpoint does not know; left alone");
+        }
+        Ok(Core {
             settings,
             inventory,
             layout,
-            allocs: BTreeMap::new(),
+            allocs: replay.allocations,
+            journal,
             pairing: Pairing::default(),
             epoch: Instant::now(),
-            next_id: 1,
-        };
-        core.load()?;
-        Ok(core)
+            next_id,
+        })
     }
 
-    /// Read every allocation's record (a restarted manager). A record that cannot be read
-    /// is reported and its allocation left alone: its container keeps running with the config
-    /// it has, and the manager does not reuse its id.
-    fn load(&mut self) -> Result<(), String> {
-        let dir = self.layout.state_dir.join("alloc");
-        let entries =
-            std::fs::read_dir(&dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
-        for e in entries.flatten() {
-            let path = e.path().join("alloc.json");
-            let name = e.file_name().to_string_lossy().to_string();
-            if let Some(n) = name
-                .rsplit_once('-')
-                .and_then(|(_, n)| n.parse::<u64>().ok())
-            {
-                self.next_id = self.next_id.max(n + 1);
-            }
-            let Ok(bytes) = std::fs::read(&path) else {
-                continue;
-            };
-            match serde_json::from_slice::<Record>(&bytes) {
-                Ok(r) if r.version == RECORD_VERSION && r.allocation.id == name => {
-                    self.allocs.insert(name, r.allocation);
-                }
-                Ok(r) => {
-                    tracing::warn!(path = %path.display(), version = r.version, "allocation record of another version or id; left alone")
-                }
-                Err(err) => {
-                    tracing::warn!(path = %path.display(), error = %err, "unreadable allocation record; left alone")
-                }
-            }
+    /// Record one allocation's current state in the checkpoint.
+    fn save(&mut self, id: &str) -> Result<(), String> {
+        match self.allocs.get(id) {
+            Some(a) => self.journal.put(a),
+            None => Ok(()),
         }
-        Ok(())
     }
 
-    /// Write one allocation's record. Atomic (rename) but not synced: a manager crash keeps
-    /// what the kernel has, and after a power loss every container starts again and the
-    /// kubelet allocates afresh — so no fsync sits on Allocate's path.
-    fn save(&self, id: &str) -> Result<(), String> {
-        let Some(a) = self.allocs.get(id) else {
-            return Ok(());
-        };
-        let r = Record {
-            version: RECORD_VERSION,
-            allocation: a.clone(),
-        };
-        let text = serde_json::to_vec(&r).map_err(|e| e.to_string())?;
-        write_atomic(&self.layout.dir(id).join("alloc.json"), &text, 0o600)
+    /// Rewrite the checkpoint compact when it has grown (the control loop calls this, off
+    /// the RPC path).
+    pub fn compact_checkpoint(&mut self) -> Result<bool, String> {
+        self.journal.compact_if_needed(&self.allocs)
+    }
+
+    /// Make an allocation's directories (again, after a reboot emptied the run directory).
+    fn make_dirs(&self, id: &str) -> Result<(), String> {
+        for d in [self.layout.config_dir(id), self.layout.region_dir(id)] {
+            std::fs::create_dir_all(&d)
+                .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+        }
+        // The container's processes may run as any user: they create and write the region.
+        let _ = std::fs::set_permissions(
+            self.layout.region_dir(id),
+            std::fs::Permissions::from_mode(0o1777),
+        );
+        Ok(())
     }
 
     fn now(&self) -> Duration {
@@ -180,15 +183,14 @@ impl Core {
         if kind == Kind::Memory {
             let (uuid, _) = check_memory(&self.inventory.node, &parsed)?;
             self.pairing.placed(Kind::Memory, &uuid, now);
+            self.supersede(kind, ids);
             return Ok(Answer::default());
         }
         let (gpus, percent) = plan(&parsed)?;
         self.pairing.placed(Kind::Core, &gpus[0], now);
         let mut sorted = ids.to_vec();
         sorted.sort();
-        if let Some(a) = self.allocs.values().find(|a| a.cores == sorted) {
-            return Ok(answer(&self.layout, a, &self.inventory.gpus));
-        }
+        self.supersede(kind, ids);
         let id = format!("a{:x}-{}", unix_now(), self.next_id);
         self.next_id += 1;
         let alloc = Allocation {
@@ -202,19 +204,36 @@ impl Core {
             owner: None,
             created: unix_now(),
         };
-        for d in [self.layout.config_dir(&id), self.layout.region_dir(&id)] {
-            std::fs::create_dir_all(&d)
-                .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
-        }
-        // The container's processes may run as any user: they create and write the region.
-        let _ = std::fs::set_permissions(
-            self.layout.region_dir(&id),
-            std::fs::Permissions::from_mode(0o1777),
-        );
+        self.make_dirs(&id)?;
         let a = answer(&self.layout, &alloc, &self.inventory.gpus);
         self.allocs.insert(id.clone(), alloc);
         self.save(&id)?;
         Ok(a)
+    }
+
+    /// The kubelet allocates only devices it has freed: an allocation holding any of `ids`
+    /// belongs to a container that is gone (a deleted pod, a finished init container, an
+    /// admission retried). Remove it now, so that nothing of it (its config, its owner) can be
+    /// taken for the new container's.
+    fn supersede(&mut self, kind: Kind, ids: &[String]) {
+        let gone: Vec<String> = self
+            .allocs
+            .values()
+            .filter(|a| {
+                let mine = match kind {
+                    Kind::Core => &a.cores,
+                    Kind::Memory => &a.memory,
+                };
+                ids.iter().any(|i| mine.contains(i))
+            })
+            .map(|a| a.id.clone())
+            .collect();
+        for id in gone {
+            tracing::info!(allocation = %id, "its devices were allocated again: its container is gone; removing it");
+            if let Err(e) = self.remove(&id) {
+                tracing::warn!(allocation = %id, error = %e, "cannot remove the allocation");
+            }
+        }
     }
 
     /// The allocation holding these `vcuda-core` IDs.
@@ -293,6 +312,9 @@ impl Core {
         let alloc = alloc.clone();
         let config = container_config(&alloc, &self.inventory.gpus);
         let uuids: Vec<[u8; 16]> = alloc.gpus.iter().filter_map(|u| parse_uuid(u)).collect();
+        if !self.layout.region_dir(&id).exists() {
+            self.make_dirs(&id)?; // the run directory was emptied (a reboot)
+        }
         let region = self.layout.region_file(&id);
         Region::open_or_create(&region, &uuids).map_err(|e| e.to_string())?;
         let _ = std::fs::set_permissions(&region, std::fs::Permissions::from_mode(0o666));
@@ -306,30 +328,55 @@ impl Core {
     }
 
     /// The pod UID of an allocation, from the kubelet's checkpoint, when a process of it
-    /// registers or the control loop needs it (kept off PreStartContainer's path).
+    /// registers (kept off PreStartContainer's path).
     pub fn learn_pod_uid(&mut self, id: &str) {
-        let Some(a) = self.allocs.get(id) else { return };
-        if a.owner.as_ref().is_none_or(|o| o.uid.is_some()) {
-            return;
+        if self.allocs.get(id).is_some_and(needs_uid) {
+            let entries = read_checkpoint(&self.settings.kubelet_checkpoint);
+            self.apply_pod_uids(&entries);
         }
+    }
+
+    /// Whether some started allocation has no pod UID yet.
+    pub fn uids_wanted(&self) -> bool {
+        self.allocs.values().any(needs_uid)
+    }
+
+    /// Fill in the pod UIDs the kubelet's checkpoint `entries` give (read them with
+    /// [`read_checkpoint`], outside the lock).
+    pub fn apply_pod_uids(&mut self, entries: &[identity::CheckpointEntry]) {
         let resource = Kind::Core.resource(&self.settings.domain);
-        let uid = std::fs::read_to_string(&self.settings.kubelet_checkpoint)
-            .ok()
-            .and_then(|t| identity::parse_checkpoint(&t).ok())
-            .and_then(|e| identity::pod_uid_of(&e, &resource, &a.cores));
-        if let (Some(uid), Some(a)) = (uid, self.allocs.get_mut(id)) {
-            if let Some(o) = a.owner.as_mut() {
+        let learnt: Vec<(String, String)> = self
+            .allocs
+            .values()
+            .filter(|a| needs_uid(a))
+            .filter_map(|a| {
+                Some((
+                    a.id.clone(),
+                    identity::pod_uid_of(entries, &resource, &a.cores)?,
+                ))
+            })
+            .collect();
+        for (id, uid) in learnt {
+            if let Some(o) = self.allocs.get_mut(&id).and_then(|a| a.owner.as_mut()) {
                 o.uid = Some(uid);
             }
-            let _ = self.save(id);
+            let _ = self.save(&id);
         }
     }
 
     /// Forget an allocation whose container is gone, and its files.
     pub fn remove(&mut self, id: &str) -> Result<(), String> {
         if self.allocs.remove(id).is_some() {
-            std::fs::remove_dir_all(self.layout.dir(id))
-                .map_err(|e| format!("cannot remove {}: {e}", self.layout.dir(id).display()))?;
+            self.journal.remove(id)?;
+            match std::fs::remove_dir_all(self.layout.dir(id)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(format!(
+                        "cannot remove {}: {e}",
+                        self.layout.dir(id).display()
+                    ))
+                }
+                _ => {}
+            }
         }
         Ok(())
     }
@@ -397,6 +444,18 @@ impl Core {
         slot.host_pid.store(host_pid, Relaxed);
         Ok(host_pid)
     }
+}
+
+fn needs_uid(a: &Allocation) -> bool {
+    a.owner.as_ref().is_some_and(|o| o.uid.is_none())
+}
+
+/// The kubelet's checkpoint entries (none when it cannot be read: UIDs stay unknown).
+pub fn read_checkpoint(path: &Path) -> Vec<identity::CheckpointEntry> {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| identity::parse_checkpoint(&t).ok())
+        .unwrap_or_default()
 }
 
 fn unix_now() -> u64 {
@@ -563,15 +622,97 @@ mod tests {
         let mut c = core(d.path());
         let a = c.allocation(&id).expect("reloaded");
         assert_eq!((a.percent, a.quota), (50, 2 << 30));
-        // A second Allocate for the same IDs (node reboot) answers the same allocation.
-        let again = c.allocate(Kind::Core, &cores).unwrap();
-        assert!(again
-            .mounts
-            .iter()
-            .any(|m| m.host == c.layout.config_dir(&id)));
         c.remove(&id).unwrap();
         assert!(!c.layout.dir(&id).exists());
         assert!(core(d.path()).allocation(&id).is_none());
+    }
+
+    #[test]
+    fn after_a_reboot_prestart_remakes_the_config_and_region() {
+        let d = tempfile::tempdir().unwrap();
+        let cores = ids(U0, Kind::Core, 0, 20);
+        let mem = ids(U0, Kind::Memory, 0, 4);
+        let id = {
+            let mut c = core(d.path());
+            c.allocate(Kind::Core, &cores).unwrap();
+            c.pre_start(
+                Kind::Core,
+                &cores,
+                held("p", cores.clone(), mem.clone()),
+                None,
+            )
+            .unwrap()
+        };
+        // A reboot empties /run; the checkpoint on disk survives.
+        std::fs::remove_dir_all(d.path().join("run")).unwrap();
+        let mut c = core(d.path());
+        assert_eq!(
+            c.already_started(Kind::Core, &cores),
+            None,
+            "its config is gone"
+        );
+        let again = c
+            .pre_start(
+                Kind::Core,
+                &cores,
+                held("p", cores.clone(), mem.clone()),
+                None,
+            )
+            .unwrap();
+        assert_eq!(again, id);
+        let text = std::fs::read_to_string(c.layout.config_file(&id)).unwrap();
+        assert!(
+            text.contains("memory_mib = 1024") && text.contains("core = 20"),
+            "{text}"
+        );
+        assert!(c.layout.region_file(&id).exists());
+        // A new allocation after the restart does not reuse the id.
+        let other = ids(U1, Kind::Core, 0, 10);
+        c.allocate(Kind::Core, &other).unwrap();
+        assert!(c.allocations().filter(|a| a.id == id).count() == 1);
+        assert_eq!(c.allocations().count(), 2);
+    }
+
+    #[test]
+    fn devices_allocated_again_retire_the_allocation_that_held_them() {
+        // Pod p (30 % + 1 GiB) is deleted; pod q gets the same cores and more memory. q must
+        // not find p's config (p's owner, p's quota) when it starts.
+        let d = tempfile::tempdir().unwrap();
+        let mut c = core(d.path());
+        let cores = ids(U0, Kind::Core, 0, 30);
+        let (m_p, m_q) = (ids(U0, Kind::Memory, 0, 4), ids(U0, Kind::Memory, 0, 8));
+        c.allocate(Kind::Core, &cores).unwrap();
+        c.allocate(Kind::Memory, &m_p).unwrap();
+        let p = c
+            .pre_start(
+                Kind::Core,
+                &cores,
+                held("p", cores.clone(), m_p.clone()),
+                None,
+            )
+            .unwrap();
+        let answer = c.allocate(Kind::Core, &cores).unwrap();
+        assert!(c.allocation(&p).is_none() && !c.layout.dir(&p).exists());
+        assert!(!answer
+            .mounts
+            .iter()
+            .any(|m| m.host == c.layout.config_dir(&p)));
+        c.allocate(Kind::Memory, &m_q).unwrap();
+        assert_eq!(c.already_started(Kind::Memory, &m_q), None);
+        assert_eq!(c.already_started(Kind::Core, &cores), None);
+        let q = c
+            .pre_start(
+                Kind::Core,
+                &cores,
+                held("q", cores.clone(), m_q.clone()),
+                None,
+            )
+            .unwrap();
+        assert_ne!(p, q);
+        assert_eq!(c.allocation(&q).unwrap().quota, 2 << 30);
+        // Memory alone allocated again retires its old holder too.
+        c.allocate(Kind::Memory, &m_q[..1]).unwrap();
+        assert!(c.allocation(&q).is_none());
     }
 
     #[test]

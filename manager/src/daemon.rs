@@ -46,7 +46,12 @@ pub async fn run(settings: Settings) -> Result<()> {
         core: Mutex::new(core),
         health: health_tx,
         pod_resources: tokio::sync::Mutex::new(None),
+        lists: Mutex::new(Default::default()),
+        listing: tokio::sync::Mutex::new(()),
+        prefetch_wanted: tokio::sync::Notify::new(),
+        last_allocate: Mutex::new(Instant::now()),
     });
+    tokio::spawn(shared.clone().prefetch());
 
     let stop = Arc::new(AtomicBool::new(false));
     start_health(
@@ -64,7 +69,8 @@ pub async fn run(settings: Settings) -> Result<()> {
         )
     })?;
     tokio::spawn(crate::control::serve(listener, shared.clone()));
-    tokio::spawn(crate::control_loop::run(nvml, shared.clone()));
+    crate::control_loop::start(nvml, shared.clone(), tokio::runtime::Handle::current())
+        .context("cannot start the control loop's thread")?;
 
     // Signal handlers now, so a SIGTERM at any moment below is seen.
     let mut shutdown = Box::pin(shutdown_signal()?);

@@ -6,7 +6,9 @@
 //! - [`settings`]: the settings file and flags;
 //! - [`gpus`]: NVML inventory, topology, XID health, process samples;
 //! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (pure parsers);
+//! - [`journal`]: the checkpoint, an append-only file of allocation records;
 //! - [`core`]: the state (allocations, pairing, checkpoint) the services share;
+//! - [`lookup`]: when an earlier PodResources list may answer PreStartContainer (pure);
 //! - [`plugin`]: the DevicePlugin gRPC services and the PodResources lookup;
 //! - [`control`]: the control socket libvcuda registers over;
 //! - [`control_loop`]: shares, reclaim, watchdog, garbage collection;
@@ -20,6 +22,8 @@ pub mod daemon;
 pub mod gpus;
 pub mod identity;
 pub mod ids;
+pub mod journal;
+pub mod lookup;
 pub mod placement;
 pub mod plugin;
 pub mod settings;

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -17,6 +17,7 @@ use vcuda_proto::podresources::v1 as pr;
 use crate::allocation::{Answer, Holdings};
 use crate::core::Core;
 use crate::ids::{all_ids, Kind};
+use crate::lookup::ListCache;
 
 /// What every service shares.
 pub struct Shared {
@@ -25,7 +26,21 @@ pub struct Shared {
     pub health: watch::Sender<Vec<bool>>,
     /// The PodResources connection, made on first use and kept (it re-dials by itself).
     pub pod_resources: tokio::sync::Mutex<Option<tonic::transport::Channel>>,
+    /// The latest PodResources list and whether PreStartContainer may use it.
+    pub lists: Mutex<ListCache>,
+    /// Held while listing, so that a PreStartContainer and the prefetch never list at once:
+    /// the second finds the first's answer.
+    pub listing: tokio::sync::Mutex<()>,
+    /// Woken by every answered Allocate: list once they go quiet ([`Shared::prefetch`]).
+    pub prefetch_wanted: tokio::sync::Notify,
+    /// When the last Allocate was answered.
+    pub last_allocate: Mutex<Instant>,
 }
+
+/// How long Allocates must have been quiet before the manager lists PodResources ahead of
+/// PreStartContainer (a container's resources are allocated back to back; the sandbox the
+/// kubelet creates before starting it takes far longer).
+const PREFETCH_QUIET: Duration = Duration::from_millis(5);
 
 /// The device plugin of one resource.
 pub struct Plugin {
@@ -140,18 +155,30 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         &self,
         req: Request<dp::AllocateRequest>,
     ) -> Result<Response<dp::AllocateResponse>, Status> {
+        let t0 = Instant::now();
         let mut core = self.shared.core.lock();
-        let domain = core.settings.domain.clone();
+        let resource = self.kind.resource(&core.settings.domain);
         let mut container_responses = Vec::new();
-        for c in req.into_inner().container_requests {
+        let requests = req.into_inner().container_requests;
+        for c in &requests {
             match core.allocate(self.kind, &c.devices_ids) {
                 Ok(a) => container_responses.push(to_proto(a)),
                 Err(reason) => {
-                    warn!(resource = %self.kind.resource(&domain), %reason, "Allocate refused");
+                    warn!(%resource, %reason, "Allocate refused");
                     return Err(Status::invalid_argument(format!("vcuda: {reason}")));
                 }
             }
         }
+        drop(core);
+        {
+            let mut lists = self.shared.lists.lock();
+            for c in &requests {
+                lists.answered(&resource, &c.devices_ids, t0);
+            }
+        }
+        *self.shared.last_allocate.lock() = Instant::now();
+        self.shared.prefetch_wanted.notify_one();
+        tracing::debug!(us = t0.elapsed().as_micros() as u64, "Allocate handled");
         Ok(Response::new(dp::AllocateResponse {
             container_responses,
         }))
@@ -161,12 +188,12 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         &self,
         req: Request<dp::PreStartContainerRequest>,
     ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
-        let t0 = std::time::Instant::now();
+        let t0 = Instant::now();
         let ids = req.into_inner().devices_ids;
         let (socket, domain) = {
             let core = self.shared.core.lock();
             if let Some(id) = core.already_started(self.kind, &ids) {
-                tracing::debug!(allocation = %id, "PreStartContainer: already configured");
+                tracing::debug!(allocation = %id, us = t0.elapsed().as_micros() as u64, "PreStartContainer: already configured");
                 return Ok(Response::new(dp::PreStartContainerResponse {}));
             }
             (
@@ -174,7 +201,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                 core.settings.domain.clone(),
             )
         };
-        let t1 = std::time::Instant::now();
+        let t1 = Instant::now();
         let held = self
             .shared
             .holdings(&socket, &domain, self.kind, &ids)
@@ -185,7 +212,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                     socket.display()
                 ))
             })?;
-        tracing::debug!(us = t1.elapsed().as_micros() as u64, "PodResources List");
+        tracing::debug!(us = t1.elapsed().as_micros() as u64, "PodResources lookup");
         let who = held
             .as_ref()
             .map(|h| format!("{}/{}/{}", h.namespace, h.pod, h.container));
@@ -216,8 +243,8 @@ pub fn options() -> dp::DevicePluginOptions {
 }
 
 impl Shared {
-    /// Ask PodResources which container holds `ids` of `kind`, and what it holds of both
-    /// resources.
+    /// Which container holds `ids` of `kind`, and what it holds of both resources: from the
+    /// cached list when [`ListCache::usable`] allows, else from a fresh `List`.
     pub async fn holdings(
         &self,
         socket: &std::path::Path,
@@ -225,6 +252,26 @@ impl Shared {
         kind: Kind,
         ids: &[String],
     ) -> Result<Option<Holdings>, String> {
+        let cached = self.lists.lock().usable();
+        if let Some(found) = cached.and_then(|l| find(&l, domain, kind, ids)) {
+            return Ok(Some(found));
+        }
+        let listing = self.listing.lock().await;
+        // A list that arrived while we waited for the lock may do.
+        let cached = self.lists.lock().usable();
+        if let Some(found) = cached.and_then(|l| find(&l, domain, kind, ids)) {
+            return Ok(Some(found));
+        }
+        let list = self.fresh_list(socket).await?;
+        drop(listing);
+        Ok(find(&list, domain, kind, ids))
+    }
+
+    /// `List` now (and cache the answer).
+    pub async fn fresh_list(
+        &self,
+        socket: &std::path::Path,
+    ) -> Result<Arc<pr::ListPodResourcesResponse>, String> {
         let channel = {
             let mut cached = self.pod_resources.lock().await;
             match cached.as_ref() {
@@ -241,15 +288,77 @@ impl Shared {
                 }
             }
         };
+        let token = self.lists.lock().requesting();
         let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
         let list = match client.list(pr::ListPodResourcesRequest {}).await {
-            Ok(l) => l.into_inner(),
+            Ok(l) => Arc::new(l.into_inner()),
             Err(e) => {
                 *self.pod_resources.lock().await = None; // dial afresh next time
                 return Err(e.message().to_string());
             }
         };
-        Ok(find(&list, domain, kind, ids))
+        self.lists.lock().store(token, list.clone(), Instant::now());
+        Ok(list)
+    }
+
+    /// Runs for ever: once Allocates have been quiet for [`PREFETCH_QUIET`], list
+    /// PodResources so that the coming PreStartContainers find the answer waiting.
+    pub async fn prefetch(self: Arc<Self>) {
+        loop {
+            self.prefetch_wanted.notified().await;
+            loop {
+                let quiet_at = *self.last_allocate.lock() + PREFETCH_QUIET;
+                if Instant::now() >= quiet_at {
+                    break;
+                }
+                tokio::time::sleep_until(quiet_at.into()).await;
+            }
+            let listing = self.listing.lock().await;
+            if self.lists.lock().stale() {
+                let socket = self.core.lock().settings.pod_resources_socket.clone();
+                if let Err(e) = self.fresh_list(&socket).await {
+                    tracing::debug!(error = %e, "PodResources prefetch failed; PreStartContainer will list itself");
+                }
+            }
+            drop(listing);
+            self.finish_ahead();
+        }
+    }
+
+    /// With a list as good as a fresh one, do PreStartContainer's work now for the
+    /// allocations it shows (pair, config, region), so that PreStartContainer finds them
+    /// done. What fails here is left for PreStartContainer to fail with its reason.
+    fn finish_ahead(&self) {
+        let Some(list) = self.lists.lock().usable() else {
+            return;
+        };
+        let (domain, waiting) = {
+            let core = self.core.lock();
+            let waiting: Vec<Vec<String>> = core
+                .allocations()
+                .filter(|a| !a.finished())
+                .map(|a| a.cores.clone())
+                .collect();
+            (core.settings.domain.clone(), waiting)
+        };
+        for cores in waiting {
+            let Some(held) = find(&list, &domain, Kind::Core, &cores) else {
+                continue;
+            };
+            let who = format!("{}/{}/{}", held.namespace, held.pod, held.container);
+            match self
+                .core
+                .lock()
+                .pre_start(Kind::Core, &cores, Some(held), None)
+            {
+                Ok(id) => {
+                    info!(allocation = %id, container = %who, "container configured ahead of PreStartContainer")
+                }
+                Err(e) => {
+                    tracing::debug!(container = %who, error = %e, "not configured ahead; PreStartContainer will say why")
+                }
+            }
+        }
     }
 }
 

@@ -39,10 +39,13 @@ pub struct Flags {
     /// Resource domain: resources are `<domain>/vcuda-core` and `<domain>/vcuda-memory`.
     #[arg(long)]
     pub domain: Option<String>,
-    /// Where allocations (configs, regions) and the manager's checkpoint are kept.
+    /// Where the manager's checkpoint (allocations.jsonl) and the preload file are kept:
+    /// on disk, surviving reboots [default: /var/lib/vcuda].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
-    /// Where the control socket is made (its directory is mounted into containers).
+    /// Where each allocation's config and shared region, and the control socket, are made
+    /// (mounted into containers). Should be a tmpfs: the regions are shared memory written
+    /// thousands of times a second [default: /run/vcuda].
     #[arg(long, value_name = "DIR")]
     pub run_dir: Option<PathBuf>,
     /// libvcuda.so on the host, mounted read-only into every container.

@@ -10,8 +10,10 @@ pid, same start time).
 
 import json
 import pathlib
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import tomllib
 
@@ -37,14 +39,18 @@ exec "$@"
 
 
 class Node:
-    def __init__(self, sim, root: pathlib.Path, recover_after=300):
+    def __init__(self, sim, root: pathlib.Path, recover_after=300, run_on_tmpfs=False):
         self.sim = sim
         self.root = root
         self.plugin_dir = root / "device-plugins"
         self.pr_socket = root / "pod-resources" / "kubelet.sock"
         self.control = root / "ksim.sock"
         self.state = root / "state"
-        self.run_dir = root / "run"
+        # A real node's /run is a tmpfs; the benchmark puts the run directory on one too.
+        self.tmpfs_run = None
+        if run_on_tmpfs and pathlib.Path("/dev/shm").is_dir():
+            self.tmpfs_run = pathlib.Path(tempfile.mkdtemp(prefix="vcuda-run-", dir="/dev/shm"))
+        self.run_dir = self.tmpfs_run or root / "run"
         self.proc_root = root / "proc"
         for d in (self.plugin_dir, self.pr_socket.parent, self.proc_root):
             d.mkdir(parents=True, exist_ok=True)
@@ -56,9 +62,10 @@ class Node:
 
     # ---- processes -------------------------------------------------------------------------
 
-    def start_kubelet(self):
+    def start_kubelet(self, sandbox_ms=0):
         self.ksim = subprocess.Popen(
-            [KUBELET_SIM, "serve", "--plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket, "--control", self.control],
+            [KUBELET_SIM, "serve", "--plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket, "--control", self.control,
+             "--sandbox-ms", str(sandbox_ms)],
             stdout=subprocess.PIPE, stderr=open(self.root / "kubelet-sim.log", "a"), text=True,
         )
         line = self.ksim.stdout.readline()
@@ -87,6 +94,8 @@ class Node:
         if self.ksim and self.ksim.poll() is None:
             self.ksim.kill()
             self.ksim.wait()
+        if self.tmpfs_run:
+            shutil.rmtree(self.tmpfs_run, ignore_errors=True)
 
     # ---- kubelet-sim ----------------------------------------------------------------------
 

@@ -157,6 +157,29 @@ def test_twenty_identical_replicas_get_their_own_allocations(node):
     assert len(ids) == 20 and len(configs) == 20, "each replica has its own allocation and config"
 
 
+def test_with_a_sandbox_between_admission_and_start_containers_are_configured_ahead(sim, tmp_path):
+    # As with a real runtime, the pod sandbox takes a while: the manager lists PodResources
+    # meanwhile and configures the container before its PreStartContainer. Pod q then gets
+    # the cores of deleted pod p with more memory: q must get its own quota, not p's config.
+    n = Node(sim, tmp_path / "node")
+    try:
+        n.start_kubelet(sandbox_ms=100).start_manager().wait_registered()
+        p = n.admit("p", core=30, memory=4)
+        assert p["containers"][0]["start"]["started"], p
+        assert n.container(p, "p").config["gpu"][0]["memory_mib"] == 1024
+        n.ksim_cmd("delete", "--pod", "p")
+        q = n.admit("q", core=30, memory=8)
+        assert q["containers"][0]["start"]["started"], q
+        assert q["containers"][0]["devices"][CORE] == p["containers"][0]["devices"][CORE]
+        cq = n.container(q, "q")
+        assert (cq.config["gpu"][0]["core"], cq.config["gpu"][0]["memory_mib"]) == (30, 2048)
+        log = n.log()
+        assert log.count("configured ahead of PreStartContainer") == 2, log
+        assert "container=default/q/main" in log
+    finally:
+        n.close()
+
+
 def test_kubelet_restart_re_registers_within_a_second_without_exiting(node):
     pid = node.manager.pid
     before = node.status()

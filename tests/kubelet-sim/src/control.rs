@@ -11,6 +11,7 @@
 //! {"op":"delete","pod":"p","namespace":"default"}
 //! {"op":"restart"}
 //! {"op":"wait-registered","resource":"tencent.com/vcuda-core","timeout_s":30}
+//! {"op":"ping","resource":"tencent.com/vcuda-core","count":100,"group":2,"gap_ms":20}
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -27,6 +28,10 @@ use crate::sim::{SimError, Simulator};
 
 fn default_namespace() -> String {
     DEFAULT_NAMESPACE.to_string()
+}
+
+fn one() -> u32 {
+    1
 }
 
 fn default_timeout() -> f64 {
@@ -54,6 +59,15 @@ pub enum Request {
         resource: String,
         #[serde(default = "default_timeout")]
         timeout_s: f64,
+    },
+    /// Null RPCs (GetDevicePluginOptions) to a plugin: the transport's own latency.
+    Ping {
+        resource: String,
+        count: u32,
+        #[serde(default = "one")]
+        group: u32,
+        #[serde(default)]
+        gap_ms: u64,
     },
 }
 
@@ -155,6 +169,15 @@ async fn handle(sim: &Simulator, req: Request) -> Result<serde_json::Value, SimE
             let timeout = Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::ZERO);
             json(&sim.wait_registered(&resource, timeout).await?)
         }
+        Request::Ping {
+            resource,
+            count,
+            group,
+            gap_ms,
+        } => json(
+            &sim.ping(&resource, count, group, Duration::from_millis(gap_ms))
+                .await?,
+        ),
     })
 }
 

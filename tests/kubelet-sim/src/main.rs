@@ -46,6 +46,12 @@ enum Command {
         /// Where to serve the JSON-lines control socket.
         #[arg(long, value_name = "PATH")]
         control: PathBuf,
+        /// Milliseconds the container runtime takes to create a pod's sandbox, between
+        /// admission (Allocate) and the first container start (PreStartContainer) of `admit`.
+        /// Real runtimes take 100 ms to seconds (network namespace, CNI, pause container);
+        /// 0 starts containers right after admission, the hardest case for a plugin.
+        #[arg(long, value_name = "MS", default_value_t = 0)]
+        sandbox_ms: u64,
     },
     /// Registered resources (endpoint, options, all/healthy/allocated device IDs) and pods
     /// with their allocations.
@@ -116,6 +122,23 @@ enum Command {
         #[arg(long, default_value_t = 30.0)]
         timeout: f64,
     },
+    /// Call RESOURCE's plugin GetDevicePluginOptions COUNT times and print each round trip in
+    /// microseconds: the transport's own latency, the floor under Allocate's and
+    /// PreStartContainer's.
+    Ping {
+        #[command(flatten)]
+        control: ControlArg,
+        resource: String,
+        #[arg(long, default_value_t = 100)]
+        count: u32,
+        /// Calls made back to back after each gap.
+        #[arg(long, default_value_t = 1)]
+        group: u32,
+        /// Milliseconds of idleness before each group (as between a pod's admission and
+        /// start).
+        #[arg(long, default_value_t = 0)]
+        gap_ms: u64,
+    },
 }
 
 #[tokio::main]
@@ -134,7 +157,8 @@ async fn main() -> Result<()> {
             plugin_dir,
             pod_resources_socket,
             control,
-        } => return serve(plugin_dir, pod_resources_socket, control).await,
+            sandbox_ms,
+        } => return serve(plugin_dir, pod_resources_socket, control, sandbox_ms).await,
         Command::Status { control } => (control, Request::Status),
         Command::Admit {
             control,
@@ -181,6 +205,21 @@ async fn main() -> Result<()> {
                 timeout_s: timeout,
             },
         ),
+        Command::Ping {
+            control,
+            resource,
+            count,
+            group,
+            gap_ms,
+        } => (
+            control,
+            Request::Ping {
+                resource,
+                count,
+                group,
+                gap_ms,
+            },
+        ),
     };
     let result = Client::new(control.control).call(&request).await?;
     println!("{}", serde_json::to_string_pretty(&result)?);
@@ -206,7 +245,12 @@ fn failed(request: &Request, result: &serde_json::Value) -> bool {
     }
 }
 
-async fn serve(plugin_dir: PathBuf, pod_resources: PathBuf, control: PathBuf) -> Result<()> {
+async fn serve(
+    plugin_dir: PathBuf,
+    pod_resources: PathBuf,
+    control: PathBuf,
+    sandbox_ms: u64,
+) -> Result<()> {
     std::fs::create_dir_all(&plugin_dir)
         .with_context(|| format!("cannot create --plugin-dir {}", plugin_dir.display()))?;
     let parent = |p: &std::path::Path| {
@@ -220,8 +264,11 @@ async fn serve(plugin_dir: PathBuf, pod_resources: PathBuf, control: PathBuf) ->
         control.display()
     );
     let sim = Arc::new(
-        Simulator::start(Config::new(&plugin_dir, &pod_resources))
-            .context("cannot start the simulated kubelet")?,
+        Simulator::start(Config {
+            sandbox_time: std::time::Duration::from_millis(sandbox_ms),
+            ..Config::new(&plugin_dir, &pod_resources)
+        })
+        .context("cannot start the simulated kubelet")?,
     );
     let listener = control::bind(&control).context("cannot serve the control socket")?;
     let server = tokio::spawn(control::serve(sim.clone(), listener));

@@ -50,6 +50,9 @@ pub struct Config {
     pub pod_resources_socket: PathBuf,
     pub dial_timeout: Duration,
     pub pre_start_timeout: Duration,
+    /// How long the container runtime takes to create a pod's sandbox, between admission
+    /// and the first container start when `admit` starts the containers.
+    pub sandbox_time: Duration,
 }
 
 impl Config {
@@ -59,6 +62,7 @@ impl Config {
             pod_resources_socket: pod_resources_socket.into(),
             dial_timeout: DIAL_TIMEOUT,
             pre_start_timeout: PRE_START_TIMEOUT,
+            sandbox_time: Duration::ZERO,
         }
     }
 }
@@ -79,6 +83,10 @@ pub enum SimError {
     InvalidPod(String),
     #[error("timed out after {seconds:.1}s waiting for {what}")]
     Timeout { seconds: f64, what: String },
+    #[error("{resource} has no plugin connected; wait-registered first")]
+    NotConnected { resource: String },
+    #[error("{resource}: {message}")]
+    Rpc { resource: String, message: String },
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -796,6 +804,10 @@ impl Simulator {
         };
         drop(serial);
         if req.start {
+            // The runtime creates the pod sandbox (RunPodSandbox) before any container starts.
+            if !self.inner.config.sandbox_time.is_zero() {
+                tokio::time::sleep(self.inner.config.sandbox_time).await;
+            }
             for c in &mut containers {
                 c.start = Some(
                     self.start_container(&req.namespace, &req.pod, &c.name)
@@ -1010,6 +1022,48 @@ impl Simulator {
             pre_start_called: called,
             starts,
         })
+    }
+
+    /// Calls the plugin's GetDevicePluginOptions `count` times, in groups of `group` back to
+    /// back with `gap` of idleness before each group, and returns each round trip in
+    /// microseconds (also in `rpc_timings`): the transport's own cost, the floor under every
+    /// other RPC's latency.
+    pub async fn ping(
+        &self,
+        resource: &str,
+        count: u32,
+        group: u32,
+        gap: std::time::Duration,
+    ) -> Result<Vec<u64>, SimError> {
+        let not_connected = || SimError::NotConnected {
+            resource: resource.to_string(),
+        };
+        let client = {
+            let st = self.inner.state();
+            let r = st.resources.get(resource).ok_or_else(not_connected)?;
+            r.endpoint.rpc().0
+        };
+        let mut client = client.ok_or_else(not_connected)?;
+        let mut out = Vec::new();
+        for i in 0..count {
+            if !gap.is_zero() && i % group.max(1) == 0 {
+                tokio::time::sleep(gap).await;
+            }
+            let t0 = std::time::Instant::now();
+            client
+                .get_device_plugin_options(crate::proto::deviceplugin::Empty {})
+                .await
+                .map_err(|s| SimError::Rpc {
+                    resource: resource.to_string(),
+                    message: go_err(&s),
+                })?;
+            let took = t0.elapsed();
+            self.inner
+                .state()
+                .timed("GetDevicePluginOptions", resource, took);
+            out.push(took.as_micros() as u64);
+        }
+        Ok(out)
     }
 
     /// `callPreStartContainerIfNeeded`; Ok(true) if the RPC was made.

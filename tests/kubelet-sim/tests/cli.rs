@@ -48,6 +48,7 @@ async fn help_explains_every_subcommand() {
         "delete",
         "restart",
         "wait-registered",
+        "ping",
     ] {
         assert!(help.contains(sub), "{sub} missing from:\n{help}");
     }
@@ -166,6 +167,17 @@ async fn serve_and_drive_it_from_the_command_line() {
     plugin.register(&kubelet).await.unwrap();
     let o = run(&control, &["wait-registered", CORE]).await;
     assert!(o.status.success(), "{}", stderr(&o));
+
+    let o = run(&control, &["ping", CORE, "--count", "3"]).await;
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        json(&o).as_array().map(Vec::len),
+        Some(3),
+        "one round trip each"
+    );
+    let o = run(&control, &["ping", "example.com/none"]).await;
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("wait-registered"), "{}", stderr(&o));
 
     let o = run(&control, &["delete", "--pod", "p"]).await;
     assert!(o.status.success(), "{}", stderr(&o));

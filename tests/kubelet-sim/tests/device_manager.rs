@@ -974,3 +974,38 @@ async fn checkpoint_has_the_kubelet_json_shape() {
         assert_eq!(resp, fake_response(resource, &ids(&[id])));
     }
 }
+
+/// §6: the container runtime creates the pod sandbox between admission and the first
+/// container start; `sandbox_time` models it (a restart of the container does not wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sandbox_time_separates_admission_from_start() {
+    let sandbox = std::time::Duration::from_millis(200);
+    let env = Env::with(|c| c.sandbox_time = sandbox);
+    let _p = env
+        .registered(
+            CORE,
+            "core.sock",
+            Script::with_options(true, false),
+            devs("c", 4),
+        )
+        .await;
+    let t = std::time::Instant::now();
+    let a = env
+        .sim
+        .admit(pod("p", &[("main", &[(CORE, 1)])]))
+        .await
+        .unwrap();
+    assert!(a.containers[0].start.as_ref().unwrap().started);
+    assert!(
+        t.elapsed() >= sandbox,
+        "admit returned after {:?}",
+        t.elapsed()
+    );
+    let kinds: Vec<_> = env
+        .recorder
+        .rpcs()
+        .into_iter()
+        .map(|(_, c)| matches!(c, Call::PreStart(_)))
+        .collect();
+    assert_eq!(kinds, [false, true], "Allocate, then PreStartContainer");
+}
