@@ -6,7 +6,6 @@
 //! lists are removed.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -19,6 +18,7 @@ use crate::allocation::Allocation;
 use crate::gpus;
 use crate::identity;
 use crate::ids::Kind;
+use crate::metrics::{ContainerRow, GpuRow, Snapshot};
 use crate::plugin::Shared;
 
 const PERIOD: Duration = Duration::from_millis(167);
@@ -27,9 +27,6 @@ const GC_PERIOD: Duration = Duration::from_secs(10);
 const UID_LOOKUP_PERIOD: Duration = Duration::from_secs(1);
 /// An allocation is not collected before its container had time to start.
 const GC_GRACE_SECS: u64 = 120;
-
-/// Watchdog violations since start (the metric; also logged).
-pub static VIOLATIONS: AtomicU64 = AtomicU64::new(0);
 
 /// Which allocation a host process belongs to: registered host pids first, then the pod
 /// cgroup of unregistered ones (which is how a bypassing process is found).
@@ -80,6 +77,8 @@ pub fn start(
 fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
     let mut regions: HashMap<String, Region> = HashMap::new();
     let mut over_before: Vec<(String, usize)> = Vec::new();
+    // Watchdog violations per (allocation, GPU) since start: the metric.
+    let mut violated: HashMap<(String, usize), u64> = HashMap::new();
     let mut last_gc = Instant::now();
     let mut last_uid_lookup = Instant::now() - UID_LOOKUP_PERIOD;
     let mut next = Instant::now();
@@ -96,8 +95,14 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             let entries = crate::core::read_checkpoint(&path);
             shared.core.lock().apply_pod_uids(&entries);
         }
-        let (allocs, settings, layout_region, uuids) = {
+        let (allocs, settings, layout_region, gpu_memory, placed, uuids) = {
             let c = shared.core.lock();
+            // What is allocated on each GPU (started or not), for the metrics.
+            let placed: Vec<(Vec<String>, u32, u64)> = c
+                .allocations()
+                .map(|a| (a.gpus.clone(), a.percent, a.quota))
+                .collect();
+            let gpu_memory: Vec<u64> = c.inventory.gpus.iter().map(|g| g.memory).collect();
             let allocs: Vec<Allocation> =
                 c.allocations().filter(|a| a.finished()).cloned().collect();
             let files: HashMap<String, std::path::PathBuf> = allocs
@@ -108,6 +113,8 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
                 allocs,
                 c.settings.clone(),
                 files,
+                gpu_memory,
+                placed,
                 c.inventory.node.uuids.clone(),
             )
         };
@@ -191,7 +198,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             if !over_before.contains(&(id.clone(), dev)) {
                 continue;
             }
-            VIOLATIONS.fetch_add(1, Relaxed);
+            *violated.entry((id.clone(), dev)).or_default() += 1;
             let who = allocs
                 .iter()
                 .find(|a| a.id == id)
@@ -209,6 +216,18 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             }
         }
         over_before = now_over;
+        violated.retain(|(id, _), _| allocs.iter().any(|a| &a.id == id));
+        let health = shared.health.borrow().clone();
+        *shared.metrics.lock() = snapshot(
+            &uuids,
+            &gpu_memory,
+            &health,
+            &placed,
+            &allocs,
+            &regions,
+            &usage,
+            &violated,
+        );
 
         if last_gc.elapsed() >= GC_PERIOD {
             last_gc = Instant::now();
@@ -218,6 +237,72 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             }
         }
     }
+}
+
+/// What the metrics show after this round (pure but for reading the regions' counters).
+#[allow(clippy::too_many_arguments)]
+fn snapshot(
+    uuids: &[String],
+    gpu_memory: &[u64],
+    health: &[bool],
+    placed: &[(Vec<String>, u32, u64)],
+    allocs: &[Allocation],
+    regions: &HashMap<String, Region>,
+    driver: &BTreeMap<(String, usize), u64>,
+    violated: &HashMap<(String, usize), u64>,
+) -> Snapshot {
+    let gpus = uuids
+        .iter()
+        .enumerate()
+        .map(|(i, uuid)| {
+            let total = gpu_memory.get(i).copied().unwrap_or(0);
+            let mut row = GpuRow {
+                index: i,
+                uuid: uuid.clone(),
+                memory_total: total,
+                healthy: health.get(i).copied().unwrap_or(true),
+                ..GpuRow::default()
+            };
+            for (_, percent, quota) in placed.iter().filter(|(on, _, _)| on.contains(uuid)) {
+                let whole = *percent >= 100;
+                row.core_allocated += if whole { 100 } else { u64::from(*percent) };
+                row.memory_allocated += if whole { total } else { *quota };
+            }
+            row
+        })
+        .collect();
+    let mut containers = Vec::new();
+    for a in allocs {
+        let Some(owner) = a.owner.as_ref() else {
+            continue;
+        };
+        for (dev, uuid) in a.gpus.iter().enumerate() {
+            let index = uuids.iter().position(|u| u == uuid).unwrap_or(dev);
+            let whole = a.percent >= 100;
+            let share = if whole { 100 } else { u64::from(a.percent) };
+            let key = (a.id.clone(), dev);
+            containers.push(ContainerRow {
+                namespace: owner.namespace.clone(),
+                pod: owner.pod.clone(),
+                container: owner.container.clone(),
+                gpu_index: index,
+                gpu_uuid: uuid.clone(),
+                core_share: share,
+                core_limit: a
+                    .core_limit
+                    .map_or(share, |l| u64::from(l).max(share).min(100)),
+                memory_quota: if whole {
+                    gpu_memory.get(index).copied().unwrap_or(0)
+                } else {
+                    a.quota
+                },
+                memory_used: regions.get(&a.id).map_or(0, |r| r.used(dev)),
+                memory_driver: driver.get(&key).copied().unwrap_or(0),
+                watchdog_violations: violated.get(&key).copied().unwrap_or(0),
+            });
+        }
+    }
+    Snapshot { gpus, containers }
 }
 
 /// Remove allocations no container holds any more (per PodResources), after a grace period.

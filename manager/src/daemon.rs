@@ -50,8 +50,17 @@ pub async fn run(settings: Settings) -> Result<()> {
         listing: tokio::sync::Mutex::new(()),
         prefetch_wanted: tokio::sync::Notify::new(),
         last_allocate: Mutex::new(Instant::now()),
+        metrics: Default::default(),
     });
     tokio::spawn(shared.clone().prefetch());
+    if let Some(addr) = settings.metrics_address {
+        let bound = crate::metrics::serve(addr, shared.metrics.clone())
+            .await
+            .with_context(|| {
+                format!("cannot serve metrics on {addr}; pick another --metrics-address, or off")
+            })?;
+        info!(%bound, "metrics at http://{bound}/metrics");
+    }
 
     let stop = Arc::new(AtomicBool::new(false));
     start_health(

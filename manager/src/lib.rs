@@ -11,7 +11,8 @@
 //! - [`lookup`]: when an earlier PodResources list may answer PreStartContainer (pure);
 //! - [`plugin`]: the DevicePlugin gRPC services and the PodResources lookup;
 //! - [`control`]: the control socket libvcuda registers over;
-//! - [`control_loop`]: shares, reclaim, watchdog, garbage collection;
+//! - [`control_loop`]: shares, reclaim, watchdog, garbage collection, the metrics snapshot;
+//! - [`metrics`]: the Prometheus endpoint;
 //! - [`daemon`]: the tasks, registration, and surviving kubelet restarts.
 
 pub mod allocation;
@@ -24,6 +25,7 @@ pub mod identity;
 pub mod ids;
 pub mod journal;
 pub mod lookup;
+pub mod metrics;
 pub mod placement;
 pub mod plugin;
 pub mod settings;

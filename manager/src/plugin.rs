@@ -35,6 +35,8 @@ pub struct Shared {
     pub prefetch_wanted: tokio::sync::Notify,
     /// When the last Allocate was answered.
     pub last_allocate: Mutex<Instant>,
+    /// What `/metrics` shows (the control loop replaces it every round).
+    pub metrics: Arc<Mutex<crate::metrics::Snapshot>>,
 }
 
 /// How long Allocates must have been quiet before the manager lists PodResources ahead of

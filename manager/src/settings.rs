@@ -74,6 +74,10 @@ pub struct Flags {
     /// `vcuda-core-limit`).
     #[arg(long = "core-limit", value_name = "NS/POD/CONTAINER=PERCENT")]
     pub core_limit: Vec<String>,
+    /// Where to serve Prometheus metrics (`GET /metrics`), `HOST:PORT`; `off` serves none
+    /// [default: 0.0.0.0:9395]. Port 0 picks a free port (the log says which).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_address: Option<String>,
     /// Log filter (tracing's env-filter syntax), e.g. `info` or `vcuda_manager=debug`.
     #[arg(long, value_name = "FILTER")]
     pub log: Option<String>,
@@ -97,6 +101,7 @@ struct File {
     watchdog_kill: Option<bool>,
     #[serde(default)]
     core_limit: BTreeMap<String, u32>,
+    metrics_address: Option<String>,
     log: Option<String>,
 }
 
@@ -117,6 +122,8 @@ pub struct Settings {
     pub watchdog_kill: bool,
     /// "namespace/pod/container" → elastic limit, percent.
     pub core_limit: BTreeMap<String, u32>,
+    /// None: no metrics endpoint.
+    pub metrics_address: Option<std::net::SocketAddr>,
     pub log: String,
 }
 
@@ -187,6 +194,20 @@ impl Settings {
             proc_root: pick(&flags.proc_root, &file.proc_root, "/proc"),
             watchdog_kill: flags.watchdog_kill || file.watchdog_kill.unwrap_or(false),
             core_limit,
+            metrics_address: match flags
+                .metrics_address
+                .clone()
+                .or(file.metrics_address)
+                .as_deref()
+            {
+                Some("off") => None,
+                Some(a) => Some(a.parse().map_err(|e| {
+                    format!(
+                        "--metrics-address {a:?}: {e}; give HOST:PORT such as 0.0.0.0:9395, or off"
+                    )
+                })?),
+                None => Some(std::net::SocketAddr::from(([0, 0, 0, 0], 9395))),
+            },
             log: flags
                 .log
                 .clone()

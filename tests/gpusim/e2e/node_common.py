@@ -78,7 +78,8 @@ class Node:
             [MANAGER, "--device-plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket,
              "--state-dir", self.state, "--run-dir", self.run_dir, "--library", VCUDA_LIB,
              "--nvml-library", LIB / "libnvidia-ml.so.1", "--proc-root", self.proc_root,
-             "--recover-after", str(self.recover_after), "--log", self.log_level, *extra],
+             "--recover-after", str(self.recover_after), "--log", self.log_level,
+             "--metrics-address", "127.0.0.1:0", *extra],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.manager_log, "a"),
         )
         return self
@@ -166,6 +167,29 @@ class Node:
             "CONTAINER_ID": f"{namespace}-{pod}",
         })
         return Container(env, cfg, mounts)
+
+    def metrics(self):
+        """The manager's /metrics, parsed: {(name, frozenset(labels.items())): value}."""
+        import re
+        import urllib.request
+
+        m = wait_for("the metrics address", lambda: re.findall(r"metrics at http://(\S+)/metrics", self.log()))
+        text = urllib.request.urlopen(f"http://{m[-1]}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            hit = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
+            if hit and not line.startswith("#"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', hit.group(2) or ""))
+                out[(hit.group(1), frozenset(labels.items()))] = float(hit.group(3))
+        return out
+
+    def metric(self, name, **labels):
+        """The value of one series (None if absent)."""
+        want = set(labels.items())
+        for (n, ls), v in self.metrics().items():
+            if n == name and want <= set(ls):
+                return v
+        return None
 
     def log(self):
         return self.manager_log.read_text() if self.manager_log.exists() else ""

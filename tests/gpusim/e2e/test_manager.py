@@ -58,6 +58,12 @@ def test_two_pods_share_a_gpu_each_held_to_its_quota_and_share(node, bins):
     assert (gpu(ca)["memory_mib"], gpu(ca)["core"]) == (4096, 30)
     assert (gpu(cb)["memory_mib"], gpu(cb)["core"]) == (8192, 70)
     assert gpu(ca)["uuid"] == gpu(cb)["uuid"], "best fit: both on one GPU"
+    # The metrics show each container's share and quota, and the GPU's allocated total.
+    series = lambda pod: dict(namespace="default", pod=pod, container="main")  # noqa: E731
+    wait_for("the metrics", lambda: node.metric("vcuda_container_core_share_percent", **series("b")))
+    assert node.metric("vcuda_container_core_share_percent", **series("a")) == 30
+    assert node.metric("vcuda_container_memory_quota_bytes", **series("b")) == 8192 * MiB
+    assert node.metric("vcuda_gpu_core_allocated_percent", uuid=gpu(ca)["uuid"]) == 100
     # Memory: each gets its quota (less its context) and no more.
     got_a, out_a = fill(ca, bins, 8192)
     got_b, out_b = fill(cb, bins, 16384)
@@ -248,6 +254,10 @@ def test_watchdog_reports_a_process_that_bypasses_the_library(node, bins):
             break
     wait_for("the watchdog", lambda: "watchdog" in node.log(), timeout=10)
     assert "default/bypass/main" in node.log()
+    # ... and raises its metric.
+    who = dict(namespace="default", pod="bypass", container="main")
+    wait_for("the violation metric", lambda: (node.metric("vcuda_watchdog_violations_total", **who) or 0) >= 1)
+    assert node.metric("vcuda_container_memory_driver_bytes", **who) > 1024 * MiB
     p.stdin.close()
     p.wait(timeout=30)
 
