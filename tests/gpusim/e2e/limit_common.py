@@ -18,7 +18,7 @@ from vcuda_common import build
 # Kernels of known duration in gpusim's cost model (c/common.h's PTX), in seconds.
 KERNELS = {"spin_50us": 50e-6, "spin_1ms": 1e-3, "spin_20ms": 20e-3}
 
-# Byte offsets in the region header (vcuda/contract/src/region.rs, layout version 3; a Rust
+# Byte offsets in the region header (vcuda/contract/src/region.rs, layout version 4; a Rust
 # test there pins them): the manager's run-time share and elastic limit per GPU, in ppm.
 CORE_OVERRIDE = 288
 CORE_LIMIT_OVERRIDE = 352

@@ -86,13 +86,64 @@ class Shell:
         self.p.wait()
 
 
-# ---- the region file (vcuda/contract/src/region.rs, layout version 3) ----------------------
+# ---- the region file (vcuda/contract/src/region.rs, layout version 4) ----------------------
 
 REGION_HEADER = 4096
 SLOT_SIZE = 256
 MAX_PROCS = 64
 MAX_GPUS = 8
 SLOT_ACTIVE = 1
+REGION_MAGIC = b"VCUDARGN"
+REGION_VERSION = 4
+
+# RegionHeader's fields in declaration order, as struct formats ("8Q": one u64 per GPU). It is
+# #[repr(C)] and every field is naturally aligned with no padding between (the Rust test
+# `layout_is_stable` pins the offsets this yields), so an offset is the sum of the sizes before.
+_HEADER_FIELDS = [
+    ("magic", "Q"),
+    ("version", "I"),
+    ("num_gpus", "I"),
+    ("size", "Q"),
+    ("uuids", f"{16 * MAX_GPUS}s"),
+    ("slots_used", "I"),
+    ("_pad", "I"),
+    ("ctx_cost", f"{MAX_GPUS}Q"),
+    ("module_cost", f"{MAX_GPUS}Q"),
+    ("core_override", f"{MAX_GPUS}Q"),
+    ("core_limit_override", f"{MAX_GPUS}Q"),
+    ("throttled_ns", f"{MAX_GPUS}Q"),
+    ("oom_refusals", f"{MAX_GPUS}Q"),
+]
+
+
+def _header_offsets():
+    out, off = {}, 0
+    for name, fmt in _HEADER_FIELDS:
+        align = 1 if fmt.endswith("s") else struct.calcsize("<" + fmt[-1])
+        assert off % align == 0, f"region header field {name} would be padded"
+        out[name] = (off, fmt)
+        off += struct.calcsize("<" + fmt)
+    return out
+
+
+HEADER_OFFSETS = _header_offsets()  # name -> (byte offset, struct format)
+
+
+def region_header_field(path, name):
+    """One region header field, per GPU for the per-GPU arrays (only the container's GPUs).
+    Checks the magic and the layout version first, so a layout change fails loudly here."""
+    data = path.read_bytes()
+    assert data[:8] == REGION_MAGIC, f"{path}: not a vcuda region"
+    version, num_gpus = struct.unpack_from("<II", data, 8)
+    assert version == REGION_VERSION, f"{path}: layout version {version}, these tests read {REGION_VERSION}"
+    off, fmt = HEADER_OFFSETS[name]
+    values = struct.unpack_from("<" + fmt, data, off)
+    return list(values[:num_gpus]) if fmt == f"{MAX_GPUS}Q" else values[0]
+
+
+def region_counters(path):
+    """The container's statistics counters, per GPU: {"throttled_ns": [...], "oom_refusals": [...]}."""
+    return {name: region_header_field(path, name) for name in ("throttled_ns", "oom_refusals")}
 
 
 def region_slots(path):

@@ -3,7 +3,8 @@
 //! number and a version.
 //!
 //! ```text
-//! 0        RegionHeader   magic "VCUDARGN", version, GPU UUIDs, learned context/module costs
+//! 0        RegionHeader   magic "VCUDARGN", version, GPU UUIDs, learned context/module costs,
+//!                         run-time shares, statistics counters (throttled ns, OOM refusals)
 //! 4096     Slot × 64      one per process: pid, and per GPU the bytes it holds
 //! len + i  (beyond the mapping) byte i is OFD-locked by the process owning slot i
 //! ```
@@ -31,7 +32,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use crate::config::MAX_GPUS;
 
 pub const REGION_MAGIC: u64 = u64::from_le_bytes(*b"VCUDARGN");
-pub const REGION_VERSION: u32 = 3;
+/// Version 4 appended the statistics counters `throttled_ns` and `oom_refusals`.
+pub const REGION_VERSION: u32 = 4;
 /// `Slot::api` holds bytes in its low 48 bits and a change count in its high 16: every
 /// reservation and release bumps the count in the same atomic operation, so a reader can
 /// tell whether the counter moved between two reads at no cost to the hot path.
@@ -65,6 +67,17 @@ pub struct RegionHeader {
     pub core_override: [AtomicU64; MAX_GPUS],
     /// Elastic upper bound set at run time, in ppm (0: the config's).
     pub core_limit_override: [AtomicU64; MAX_GPUS],
+    /// Statistics, written by the library, read by the manager (exported as metrics): total
+    /// nanoseconds the container's processes slept in the compute limiter on each GPU
+    /// (throttled launches only; a launch under its share adds nothing). `Relaxed`: an
+    /// independent counter that publishes no other data, so readers need no ordering
+    /// with anything else; `fetch_add` alone keeps concurrent additions from being lost.
+    pub throttled_ns: [AtomicU64; MAX_GPUS],
+    /// Statistics, written by the library, read by the manager: calls the library refused
+    /// with `CUDA_ERROR_OUT_OF_MEMORY` on each GPU because they would have taken the
+    /// container past its quota (not the driver's own out-of-memory errors). `Relaxed`, as
+    /// for `throttled_ns`.
+    pub oom_refusals: [AtomicU64; MAX_GPUS],
 }
 
 /// One process's share of the region. 128-byte aligned so processes updating their own
@@ -323,6 +336,40 @@ impl Region {
         let h = self.header();
         h.core_override[dev].store(share_ppm, Relaxed);
         h.core_limit_override[dev].store(limit_ppm, Relaxed);
+    }
+
+    // ---- statistics --------------------------------------------------------------------
+
+    /// Nanoseconds the container's processes have waited in the compute limiter on `dev`
+    /// (0 for a GPU index out of range).
+    pub fn throttled_ns(&self, dev: usize) -> u64 {
+        self.header()
+            .throttled_ns
+            .get(dev)
+            .map_or(0, |c| c.load(Relaxed))
+    }
+
+    /// Calls refused for the quota on `dev` (0 for a GPU index out of range).
+    pub fn oom_refusals(&self, dev: usize) -> u64 {
+        self.header()
+            .oom_refusals
+            .get(dev)
+            .map_or(0, |c| c.load(Relaxed))
+    }
+
+    /// Add `ns` of limiter waiting on `dev` (out of range: nothing). Wraps only after 584
+    /// years of waiting.
+    pub fn add_throttled_ns(&self, dev: usize, ns: u64) {
+        if let Some(c) = self.header().throttled_ns.get(dev) {
+            c.fetch_add(ns, Relaxed);
+        }
+    }
+
+    /// Count one call refused for the quota on `dev` (out of range: nothing).
+    pub fn count_oom_refusal(&self, dev: usize) {
+        if let Some(c) = self.header().oom_refusals.get(dev) {
+            c.fetch_add(1, Relaxed);
+        }
     }
 
     pub fn slots(&self) -> &[Slot] {
@@ -647,13 +694,92 @@ mod tests {
     }
 
     #[test]
+    fn statistics_counters_are_per_gpu_and_shared_by_every_opener() {
+        let (d, r) = region();
+        let other = Region::open_or_create(&d.path().join("region"), &[U0, U1]).unwrap();
+        assert_eq!(
+            (r.throttled_ns(0), r.oom_refusals(0)),
+            (0, 0),
+            "a new region"
+        );
+        r.add_throttled_ns(0, 1_500);
+        other.add_throttled_ns(0, 2_500);
+        other.add_throttled_ns(1, 7);
+        r.count_oom_refusal(1);
+        r.count_oom_refusal(1);
+        other.count_oom_refusal(1);
+        for h in [&r, &other] {
+            assert_eq!(h.throttled_ns(0), 4_000);
+            assert_eq!(h.throttled_ns(1), 7);
+            assert_eq!(h.oom_refusals(0), 0, "GPUs are counted separately");
+            assert_eq!(h.oom_refusals(1), 3);
+        }
+        // Out of range: read as 0, written nowhere, never a panic.
+        for dev in [MAX_GPUS, MAX_GPUS + 1, usize::MAX] {
+            r.add_throttled_ns(dev, 1);
+            r.count_oom_refusal(dev);
+            assert_eq!((r.throttled_ns(dev), r.oom_refusals(dev)), (0, 0));
+        }
+        assert_eq!((r.throttled_ns(1), r.oom_refusals(1)), (7, 3));
+        // Slots coming and going leave the container's statistics alone.
+        let me = r.claim().unwrap();
+        r.unclaim(me);
+        assert_eq!(other.throttled_ns(0), 4_000);
+    }
+
+    #[test]
+    fn concurrent_counting_loses_nothing() {
+        let (d, r) = region();
+        let r = Arc::new(r);
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let r = if t % 2 == 0 {
+                    r.clone()
+                } else {
+                    Arc::new(Region::open_or_create(&d.path().join("region"), &[U0, U1]).unwrap())
+                };
+                std::thread::spawn(move || {
+                    for _ in 0..10_000 {
+                        r.add_throttled_ns(1, 3);
+                        r.count_oom_refusal(0);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(r.throttled_ns(1), 4 * 10_000 * 3);
+        assert_eq!(r.oom_refusals(0), 4 * 10_000);
+    }
+
+    #[test]
+    fn an_older_layout_is_refused() {
+        let (d, r) = region();
+        let path = d.path().join("region");
+        drop(r);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        let e = Region::open_or_create(&path, &[U0, U1])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("layout version 3"), "{e}");
+    }
+
+    #[test]
     fn layout_is_stable() {
         assert_eq!(std::mem::size_of::<Slot>(), 256);
         assert_eq!(REGION_SIZE, 4096 + 64 * 256);
         assert!(std::mem::size_of::<RegionHeader>() <= 4096);
-        // Readers outside Rust (tests/gpusim/e2e/limit_common.py, the manager) use these.
+        // Readers outside Rust (tests/gpusim/e2e/limit_common.py and vcuda_common.py, the
+        // manager) use these.
         assert_eq!(std::mem::offset_of!(RegionHeader, core_override), 288);
         assert_eq!(std::mem::offset_of!(RegionHeader, core_limit_override), 352);
+        assert_eq!(std::mem::offset_of!(RegionHeader, throttled_ns), 416);
+        assert_eq!(std::mem::offset_of!(RegionHeader, oom_refusals), 480);
+        assert_eq!(std::mem::size_of::<RegionHeader>(), 544);
         assert_eq!(std::mem::offset_of!(Slot, launched_at), 152);
     }
 

@@ -4,7 +4,8 @@
 //! counted through allocation calls) right after the call, and on the sweep. Before a context
 //! or module is made, the cost last measured for one is reserved, so making one cannot push
 //! the container over its quota; if it still would, the new context or module is destroyed
-//! again and the call fails with `CUDA_ERROR_OUT_OF_MEMORY`.
+//! again and the call fails with `CUDA_ERROR_OUT_OF_MEMORY` (counted in the region's
+//! `oom_refusals`, as every refusal for the quota is).
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::sync::atomic::Ordering::Relaxed;
@@ -12,6 +13,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use crate::ffi::*;
 use crate::init::{cuda, Vcuda};
 use crate::log::{log, DEBUG};
+use crate::memory::refuse_for_quota;
 
 hooks! {
     Cuda fn cuInit(flags: c_uint) -> CUresult => init;
@@ -172,7 +174,7 @@ fn costed(
     };
     let est = learned.load(Relaxed);
     if est > 0 && !v.reserve(dev, est) {
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return refuse_for_quota(v, dev);
     }
     let free_before = real_free();
     let rc = make();
@@ -211,7 +213,7 @@ fn costed(
     if used > v.limit(dev) {
         undo();
         remeasure(v, dev);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return refuse_for_quota(v, dev);
     }
     CUDA_SUCCESS
 }
@@ -445,7 +447,7 @@ unsafe fn set_limit(limit: u32, value: usize) -> CUresult {
     if v.region.used(dev) > v.limit(dev) && had_old {
         forward!(MISSING, cuCtxSetLimit(limit, old));
         remeasure(v, dev);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return refuse_for_quota(v, dev);
     }
     rc
 }

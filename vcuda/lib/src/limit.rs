@@ -6,7 +6,9 @@
 //! **Hot path** (a launch under its share): one relaxed load of the launch's cost, one
 //! relaxed `fetch_sub` on this process's bucket. No lock, no system call, no allocation, and
 //! nothing shared with other processes. A launch that finds the bucket empty takes the slow
-//! path: refill from the clock, and sleep (never spin) until the debt is repaid.
+//! path: refill from the clock, and sleep (never spin) until the debt is repaid; a launch
+//! that slept adds the time it waited to the region's `throttled_ns` for its GPU (one
+//! relaxed `fetch_add` on the container's shared line, only on this path).
 //!
 //! **Bucket layout** ([`Bucket`], one per GPU, 128-byte aligned so GPUs do not share a
 //! line). All fields are independent counters or settings, so every access is `Relaxed`:
@@ -263,18 +265,20 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
     b.waiting.fetch_add(cost as i64, Relaxed);
     let entered = mono_ns();
     let mut waited = false;
+    let mut slept = false;
     let mut cost = cost;
-    loop {
+    let left = loop {
         let now = mono_ns();
         // Until the probe has timed a launch (briefly: one kernel), the others wait for it
         // and then pay its figure instead of the starting guess.
         if check_probes(v, dev) && now - entered < PROBE_WAIT_NS {
+            slept = true;
             std::thread::sleep(Duration::from_millis(1));
             continue;
         }
         let cur = b.cost[class].load(Relaxed);
         if cur == 0 {
-            break; // exclusive now
+            break now; // exclusive now
         }
         if cur != cost {
             b.tokens.fetch_add(cost as i64 - cur as i64, Relaxed);
@@ -284,16 +288,22 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
         refill(b, now);
         let bal = b.tokens.load(Relaxed) + cost as i64;
         if bal > 0 {
-            break;
+            break now;
         }
         if !waited {
             b.waits.fetch_add(1, Relaxed);
             waited = true;
         }
         let ns = lim::wait_ns(1 - bal, b.rate.load(Relaxed)).min(MAX_SLEEP_NS);
+        slept = true;
         std::thread::sleep(Duration::from_nanos(ns));
-    }
+    };
     b.waiting.fetch_sub(cost as i64, Relaxed);
+    if slept {
+        // The time actually slept (oversleeping included), from the readings the loop took
+        // anyway: its first one and the one it left on. No extra clock read.
+        v.region.add_throttled_ns(dev, left.saturating_sub(entered));
+    }
     Ticket::Go
 }
 

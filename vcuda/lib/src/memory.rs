@@ -3,7 +3,8 @@
 //! container's total would pass its quota), roll back if the driver fails, release on free.
 //! Where the driver decides the size (pitch, arrays, pool growth) the reservation is an
 //! estimate trued up from what the driver reports right after; graph memory is only visible
-//! after a launch and is counted then.
+//! after a launch and is counted then. Every refusal for the quota is counted in the region
+//! ([`refuse_for_quota`]).
 
 use std::ffi::{c_uint, c_void};
 
@@ -67,6 +68,16 @@ hooks! {
 
 const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 
+/// The library refuses a call on `dev` for the quota: count it in the region (the manager
+/// exports the count) and return `CUDA_ERROR_OUT_OF_MEMORY`. Only for the library's own
+/// refusals; an out-of-memory error the driver returns is passed on uncounted.
+#[cold]
+#[inline(never)]
+pub(crate) fn refuse_for_quota(v: &Vcuda, dev: usize) -> CUresult {
+    v.region.count_oom_refusal(dev);
+    CUDA_ERROR_OUT_OF_MEMORY
+}
+
 /// Reserve `bytes` on the current context's GPU, run `call`, roll back on failure.
 /// `Ok(dev)` means the call succeeded with the reservation held.
 #[inline(always)]
@@ -85,7 +96,7 @@ fn reserved_call(
         });
     };
     if !v.reserve(dev, bytes) {
-        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        return Err(refuse_for_quota(v, dev));
     }
     let rc = call();
     if rc != CUDA_SUCCESS {
@@ -208,7 +219,7 @@ fn pitch_common(
             let actual = counted(pitch * height);
             if !true_up(v, dev, est, actual) {
                 free(ptr);
-                return CUDA_ERROR_OUT_OF_MEMORY;
+                return refuse_for_quota(v, dev);
             }
             v.allocs.insert(
                 ptr,
@@ -384,7 +395,7 @@ fn array_common(
             };
             if !true_up(v, dev, est, actual) {
                 forward!(MISSING, cuArrayDestroy(arr));
-                return CUDA_ERROR_OUT_OF_MEMORY;
+                return refuse_for_quota(v, dev);
             }
             v.objs.lock().arrays.insert(arr as usize, (actual, dev));
             CUDA_SUCCESS
@@ -544,7 +555,7 @@ unsafe fn mipmap_create(
             };
             if !true_up(v, dev, est, actual) {
                 forward!(MISSING, cuMipmappedArrayDestroy(m));
-                return CUDA_ERROR_OUT_OF_MEMORY;
+                return refuse_for_quota(v, dev);
             }
             v.objs.lock().arrays.insert(m as usize, (actual, dev));
             CUDA_SUCCESS
@@ -600,7 +611,7 @@ unsafe fn vmm_create(
         _ => return forward!(MISSING, cuMemCreate(handle, size, prop, flags)),
     };
     if !v.reserve(dev, size as u64) {
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return refuse_for_quota(v, dev);
     }
     let rc = forward!(MISSING, cuMemCreate(handle, size, prop, flags));
     if rc != CUDA_SUCCESS {
@@ -814,7 +825,7 @@ fn async_common(
     };
     let hold = need.saturating_sub(cached).div_ceil(POOL_GRANULE) * POOL_GRANULE;
     if !v.reserve(dev, hold) {
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return refuse_for_quota(v, dev);
     }
     let rc = call();
     if rc == CUDA_SUCCESS {
