@@ -1,5 +1,8 @@
-//! The control socket: libvcuda in each container process says hello here. The socket's
-//! peer credentials give the host pid; [`crate::core::Core::hello`] checks the claim. Every
+//! The control socket: libvcuda in each container process says hello here, and `vcuda-smi`
+//! asks what the node looks like. The socket's peer credentials give the host pid;
+//! [`crate::core::Core::hello`] checks a claim, [`crate::core::Core::check_in_pod`] a
+//! container's query (it sees only itself). The same protocol is served on the host's
+//! query socket, which no container is given, for the whole node's view. Every
 //! connection is on its own: a malformed, oversized or unknown message closes that
 //! connection (logged) and nothing else; frames are capped by the protocol; a peer that
 //! sends nothing is dropped after a timeout.
@@ -13,7 +16,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
-use vcuda_contract::control::{decode_request, encode_reply, FrameDecoder, Reply, Request};
+use vcuda_contract::control::{
+    decode_request, encode_reply, view_frames, FrameDecoder, Reply, Request,
+};
 
 use crate::plugin::Shared;
 
@@ -38,8 +43,25 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     Ok(l)
 }
 
+/// Which socket a connection came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// The socket mounted into containers: registration, and queries about one's own
+    /// container.
+    Container,
+    /// The host's query socket: the whole node.
+    Node,
+}
+
+/// Bind the host's query socket (replacing a stale one), for root only.
+pub fn bind_host(path: &Path) -> std::io::Result<UnixListener> {
+    let l = bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(l)
+}
+
 /// Serve until the task is dropped.
-pub async fn serve(listener: UnixListener, shared: Arc<Shared>) {
+pub async fn serve(listener: UnixListener, shared: Arc<Shared>, scope: Scope) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (stream, _) = match listener.accept().await {
@@ -57,14 +79,14 @@ pub async fn serve(listener: UnixListener, shared: Arc<Shared>) {
         let shared = shared.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = connection(stream, &shared).await {
+            if let Err(e) = connection(stream, &shared, scope).await {
                 warn!(reason = %e, "control socket: connection closed");
             }
         });
     }
 }
 
-async fn connection(mut stream: UnixStream, shared: &Shared) -> Result<(), String> {
+async fn connection(mut stream: UnixStream, shared: &Shared, scope: Scope) -> Result<(), String> {
     let pid = stream
         .peer_cred()
         .map_err(|e| format!("no peer credentials: {e}"))?
@@ -89,6 +111,24 @@ async fn connection(mut stream: UnixStream, shared: &Shared) -> Result<(), Strin
         };
         let reply = match decode_request(&frame).map_err(|e| format!("pid {pid}: {e}"))? {
             Request::Ping => Reply::Pong,
+            Request::Query { allocation } => match query(shared, scope, allocation, pid) {
+                Ok(view) => {
+                    for f in view_frames(&view) {
+                        stream
+                            .write_all(&f)
+                            .await
+                            .map_err(|e| format!("pid {pid}: {e}"))?;
+                    }
+                    continue;
+                }
+                Err(reason) => {
+                    debug!(pid, %reason, "query refused");
+                    Reply::refused(&reason)
+                }
+            },
+            Request::Hello(_) if scope == Scope::Node => Reply::refused(
+                "processes register on the container's socket, not the host's query socket",
+            ),
             Request::Hello(h) => match shared.core.lock().hello(&h, pid) {
                 Ok(host_pid) => {
                     info!(pid, allocation = %h.allocation, slot = h.slot, "process registered");
@@ -107,6 +147,34 @@ async fn connection(mut stream: UnixStream, shared: &Shared) -> Result<(), Strin
             .map_err(|e| format!("pid {pid}: {e}"))?;
         if refused {
             return Ok(());
+        }
+    }
+}
+
+/// What a query on `scope`'s socket from host process `pid` may see.
+fn query(
+    shared: &Shared,
+    scope: Scope,
+    allocation: Option<String>,
+    pid: u32,
+) -> Result<vcuda_contract::view::View, String> {
+    if shared.view.lock().schema == 0 {
+        return Err("vcuda-manager is starting and has no view yet; try again in a second".into());
+    }
+    match (scope, allocation) {
+        (Scope::Node, None) => Ok(shared.view.lock().clone()),
+        (Scope::Container, None) => Err(format!(
+            "the node's view is served on the host's query socket ({}), not in containers; \
+             here vcuda-smi shows its own container",
+            shared.core.lock().settings.query_socket_path().display()
+        )),
+        (scope, Some(id)) => {
+            if scope == Scope::Container {
+                shared.core.lock().check_in_pod(&id, pid)?;
+            }
+            shared.view.lock().only(&id).ok_or_else(|| {
+                format!("allocation {id} is not in the manager's view yet (started in the last fraction of a second?); try again")
+            })
         }
     }
 }

@@ -18,11 +18,13 @@ use crate::allocation::Allocation;
 use crate::gpus;
 use crate::identity;
 use crate::ids::Kind;
-use crate::metrics::{ContainerRow, GpuRow, Snapshot};
 use crate::plugin::Shared;
+use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, ProcessView, View, SCHEMA};
 
 const PERIOD: Duration = Duration::from_millis(167);
 const GC_PERIOD: Duration = Duration::from_secs(10);
+/// A process's utilization sample older than this means it has been idle.
+const UTIL_FRESH: Duration = Duration::from_secs(1);
 /// How often pod UIDs still unknown are looked up in the kubelet's checkpoint.
 const UID_LOOKUP_PERIOD: Duration = Duration::from_secs(1);
 /// An allocation is not collected before its container had time to start.
@@ -82,6 +84,14 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
     let mut last_gc = Instant::now();
     let mut last_uid_lookup = Instant::now() - UID_LOOKUP_PERIOD;
     let mut next = Instant::now();
+    // Per GPU: the newest process-utilization sample seen; per (GPU, pid): its last
+    // utilization and when it was seen.
+    let count = shared.core.lock().inventory.gpus.len();
+    let mut last_seen: Vec<u64> = vec![0; count];
+    let mut recent: HashMap<(usize, u32), (u32, Instant)> = HashMap::new();
+    let names: Vec<String> = (0..count as u32)
+        .map(|i| gpus::name(nvml, i).unwrap_or_default())
+        .collect();
     loop {
         // A fixed cadence; a slow round is not made up for by a burst of quick ones.
         next = (next + PERIOD).max(Instant::now());
@@ -120,6 +130,8 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
         };
         regions.retain(|id, _| allocs.iter().any(|a| &a.id == id));
         let mut registered: HashMap<u32, String> = HashMap::new();
+        // host pid → pid in its container, for registered processes.
+        let mut inner_pid: HashMap<u32, u32> = HashMap::new();
         for a in &allocs {
             if !regions.contains_key(&a.id) {
                 let ids: Vec<[u8; 16]> = a.gpus.iter().filter_map(|u| parse_uuid(u)).collect();
@@ -153,6 +165,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             for p in r.processes() {
                 if p.host_pid != 0 {
                     registered.insert(p.host_pid, a.id.clone());
+                    inner_pid.insert(p.host_pid, p.pid);
                 }
             }
         }
@@ -167,6 +180,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             |pid: u32| std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok();
         let mut usage: BTreeMap<(String, usize), u64> = BTreeMap::new();
         let mut pids: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        let mut proc_mem: BTreeMap<(String, u32), u64> = BTreeMap::new();
         for (g, uuid) in uuids.iter().enumerate() {
             let Ok(list) = gpus::processes(nvml, g as u32) else {
                 continue;
@@ -179,6 +193,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
                         .and_then(|x| x.gpus.iter().position(|u| u == uuid))
                     {
                         *usage.entry((a.clone(), dev)).or_default() += p.bytes;
+                        *proc_mem.entry((a.clone(), p.pid)).or_default() += p.bytes;
                         pids.entry(a).or_default().push(p.pid);
                     }
                 }
@@ -217,17 +232,52 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
         }
         over_before = now_over;
         violated.retain(|(id, _), _| allocs.iter().any(|a| &a.id == id));
+
+        // What the GPUs did: memory, utilization, and each process's utilization (NVML
+        // returns the samples newer than the last one seen; a process without a recent
+        // sample was idle).
+        let now = Instant::now();
+        let mut gpu_obs = Vec::new();
+        for (g, seen) in last_seen.iter_mut().enumerate() {
+            let mut s = gpus::sample(nvml, g as u32, *seen);
+            s.processes.sort_by_key(|p| p.timestamp_us); // the newest sample wins
+            for p in &s.processes {
+                *seen = (*seen).max(p.timestamp_us);
+                recent.insert((g, p.pid), (p.sm_util, now));
+            }
+            gpu_obs.push(s);
+        }
+        recent.retain(|_, (_, at)| now.duration_since(*at) < UTIL_FRESH);
+        let mut util: HashMap<(String, usize), u32> = HashMap::new();
+        for (&(g, pid), &(sm, _)) in &recent {
+            let Some(uuid) = uuids.get(g) else { continue };
+            if let Some(a) = owner_of(pid, &registered, &by_uid, &cgroup) {
+                if let Some(dev) = allocs
+                    .iter()
+                    .find(|x| x.id == a)
+                    .and_then(|x| x.gpus.iter().position(|u| u == uuid))
+                {
+                    *util.entry((a, dev)).or_default() += sm;
+                }
+            }
+        }
         let health = shared.health.borrow().clone();
-        *shared.metrics.lock() = snapshot(
-            &uuids,
-            &gpu_memory,
-            &health,
-            &placed,
-            &allocs,
-            &regions,
-            &usage,
-            &violated,
-        );
+        let observed = Observed {
+            uuids: &uuids,
+            names: &names,
+            gpu_memory: &gpu_memory,
+            gpus: &gpu_obs,
+            health: &health,
+            placed: &placed,
+            allocs: &allocs,
+            regions: &regions,
+            driver: &usage,
+            util: &util,
+            proc_mem: &proc_mem,
+            inner_pid: &inner_pid,
+            violated: &violated,
+        };
+        *shared.view.lock() = observed.view();
 
         if last_gc.elapsed() >= GC_PERIOD {
             last_gc = Instant::now();
@@ -239,70 +289,135 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
     }
 }
 
-/// What the metrics show after this round (pure but for reading the regions' counters).
-#[allow(clippy::too_many_arguments)]
-fn snapshot(
-    uuids: &[String],
-    gpu_memory: &[u64],
-    health: &[bool],
-    placed: &[(Vec<String>, u32, u64)],
-    allocs: &[Allocation],
-    regions: &HashMap<String, Region>,
-    driver: &BTreeMap<(String, usize), u64>,
-    violated: &HashMap<(String, usize), u64>,
-) -> Snapshot {
-    let gpus = uuids
-        .iter()
-        .enumerate()
-        .map(|(i, uuid)| {
-            let total = gpu_memory.get(i).copied().unwrap_or(0);
-            let mut row = GpuRow {
-                index: i,
-                uuid: uuid.clone(),
-                memory_total: total,
-                healthy: health.get(i).copied().unwrap_or(true),
-                ..GpuRow::default()
+/// Everything one round observed, for [`Observed::view`].
+struct Observed<'a> {
+    uuids: &'a [String],
+    names: &'a [String],
+    gpu_memory: &'a [u64],
+    gpus: &'a [gpus::GpuSample],
+    health: &'a [bool],
+    /// Every allocation's (GPUs, percent, quota), started or not.
+    placed: &'a [(Vec<String>, u32, u64)],
+    /// Started allocations.
+    allocs: &'a [Allocation],
+    regions: &'a HashMap<String, Region>,
+    /// Driver-reported memory per (allocation, GPU of the allocation).
+    driver: &'a BTreeMap<(String, usize), u64>,
+    /// Summed utilization per (allocation, GPU of the allocation).
+    util: &'a HashMap<(String, usize), u32>,
+    /// Driver-reported memory per (allocation, host pid).
+    proc_mem: &'a BTreeMap<(String, u32), u64>,
+    inner_pid: &'a HashMap<u32, u32>,
+    violated: &'a HashMap<(String, usize), u64>,
+}
+
+impl Observed<'_> {
+    /// The view `vcuda-smi` and `/metrics` show after this round.
+    fn view(&self) -> View {
+        let gpus = self
+            .uuids
+            .iter()
+            .enumerate()
+            .map(|(i, uuid)| {
+                let total = self.gpu_memory.get(i).copied().unwrap_or(0);
+                let obs = self.gpus.get(i);
+                let mut g = GpuView {
+                    index: i as u32,
+                    uuid: uuid.clone(),
+                    name: self.names.get(i).cloned().unwrap_or_default(),
+                    memory_total_bytes: total,
+                    memory_used_bytes: obs.map_or(0, |o| o.memory_used),
+                    utilization_percent: obs.and_then(|o| o.utilization),
+                    healthy: self.health.get(i).copied().unwrap_or(true),
+                    ..GpuView::default()
+                };
+                for (_, percent, quota) in self.placed.iter().filter(|(on, _, _)| on.contains(uuid))
+                {
+                    let whole = *percent >= 100;
+                    g.core_allocated_percent += if whole { 100 } else { *percent };
+                    g.memory_allocated_bytes += if whole { total } else { *quota };
+                }
+                g
+            })
+            .collect();
+        let mut containers = Vec::new();
+        for a in self.allocs {
+            let Some(owner) = a.owner.as_ref() else {
+                continue;
             };
-            for (_, percent, quota) in placed.iter().filter(|(on, _, _)| on.contains(uuid)) {
-                let whole = *percent >= 100;
-                row.core_allocated += if whole { 100 } else { u64::from(*percent) };
-                row.memory_allocated += if whole { total } else { *quota };
-            }
-            row
-        })
-        .collect();
-    let mut containers = Vec::new();
-    for a in allocs {
-        let Some(owner) = a.owner.as_ref() else {
-            continue;
-        };
-        for (dev, uuid) in a.gpus.iter().enumerate() {
-            let index = uuids.iter().position(|u| u == uuid).unwrap_or(dev);
+            let region = self.regions.get(&a.id);
             let whole = a.percent >= 100;
-            let share = if whole { 100 } else { u64::from(a.percent) };
-            let key = (a.id.clone(), dev);
-            containers.push(ContainerRow {
+            let share = if whole { 100 } else { a.percent };
+            let gpus = a
+                .gpus
+                .iter()
+                .enumerate()
+                .map(|(dev, uuid)| {
+                    let index = self.uuids.iter().position(|u| u == uuid).unwrap_or(dev);
+                    let key = (a.id.clone(), dev);
+                    ContainerGpuView {
+                        index: index as u32,
+                        uuid: uuid.clone(),
+                        core_share_percent: share,
+                        core_limit_percent: a.core_limit.map_or(share, |l| l.clamp(share, 100)),
+                        utilization_percent: Some(self.util.get(&key).copied().unwrap_or(0)),
+                        memory_used_bytes: region.map_or(0, |r| r.used(dev)),
+                        memory_quota_bytes: if whole {
+                            self.gpu_memory.get(index).copied().unwrap_or(0)
+                        } else {
+                            a.quota
+                        },
+                        memory_driver_bytes: self.driver.get(&key).copied().unwrap_or(0),
+                        throttled_ns: region.map_or(0, |r| r.throttled_ns(dev)),
+                        oom_refusals: region.map_or(0, |r| r.oom_refusals(dev)),
+                        watchdog_violations: self.violated.get(&key).copied().unwrap_or(0),
+                    }
+                })
+                .collect();
+            // Registered processes, and any other the driver lists in the pod's cgroup.
+            let mut processes: BTreeMap<u32, ProcessView> = BTreeMap::new();
+            if let Some(r) = region {
+                for p in r.processes() {
+                    processes.insert(
+                        p.host_pid,
+                        ProcessView {
+                            host_pid: p.host_pid,
+                            pid: p.pid,
+                            memory_bytes: 0,
+                        },
+                    );
+                }
+            }
+            for ((id, host_pid), bytes) in self.proc_mem.range((a.id.clone(), 0)..) {
+                if id != &a.id {
+                    break;
+                }
+                let e = processes.entry(*host_pid).or_insert(ProcessView {
+                    host_pid: *host_pid,
+                    pid: self.inner_pid.get(host_pid).copied().unwrap_or(0),
+                    memory_bytes: 0,
+                });
+                e.memory_bytes += bytes;
+            }
+            containers.push(ContainerView {
                 namespace: owner.namespace.clone(),
                 pod: owner.pod.clone(),
                 container: owner.container.clone(),
-                gpu_index: index,
-                gpu_uuid: uuid.clone(),
-                core_share: share,
-                core_limit: a
-                    .core_limit
-                    .map_or(share, |l| u64::from(l).max(share).min(100)),
-                memory_quota: if whole {
-                    gpu_memory.get(index).copied().unwrap_or(0)
-                } else {
-                    a.quota
-                },
-                memory_used: regions.get(&a.id).map_or(0, |r| r.used(dev)),
-                memory_driver: driver.get(&key).copied().unwrap_or(0),
-                watchdog_violations: violated.get(&key).copied().unwrap_or(0),
+                allocation: a.id.clone(),
+                gpus,
+                processes: processes.into_values().collect(),
             });
         }
+        View {
+            schema: SCHEMA,
+            scope: "node".into(),
+            taken_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            gpus,
+            containers,
+        }
     }
-    Snapshot { gpus, containers }
 }
 
 /// Remove allocations no container holds any more (per PodResources), after a grace period.

@@ -364,6 +364,36 @@ impl Core {
         }
     }
 
+    /// Whether host process `host_pid` belongs to the pod holding `allocation` (its cgroup
+    /// names the pod's UID): what lets it register, or ask about its container.
+    pub fn check_in_pod(&mut self, allocation: &str, host_pid: u32) -> Result<(), String> {
+        self.learn_pod_uid(allocation);
+        let alloc = self
+            .allocs
+            .get(allocation)
+            .ok_or_else(|| format!("no allocation {allocation:?} on this node"))?;
+        let owner = alloc.owner.as_ref().ok_or_else(|| {
+            format!(
+                "allocation {} has not been started by the kubelet",
+                alloc.id
+            )
+        })?;
+        let uid = owner.uid.as_deref().ok_or_else(|| {
+            format!("allocation {} ({}): the kubelet's checkpoint names no pod UID for it, so the process's cgroup cannot be checked", alloc.id, owner.key())
+        })?;
+        let path = self
+            .settings
+            .proc_root
+            .join(host_pid.to_string())
+            .join("cgroup");
+        let cgroup = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        if !identity::in_pod(&cgroup, uid) {
+            return Err(format!("process {host_pid} is not in the cgroup of pod {} (uid {uid}), which holds allocation {}", owner.key(), alloc.id));
+        }
+        Ok(())
+    }
+
     /// Forget an allocation whose container is gone, and its files.
     pub fn remove(&mut self, id: &str) -> Result<(), String> {
         if self.allocs.remove(id).is_some() {
@@ -385,28 +415,13 @@ impl Core {
     /// host's view of the connecting process (`host_pid`, from the socket's credentials)
     /// and record its host pid in its region slot. Returns the host pid, or why not.
     pub fn hello(&mut self, hello: &Hello, host_pid: u32) -> Result<u32, String> {
-        self.learn_pod_uid(&hello.allocation);
-        let alloc = self
-            .allocs
-            .get(&hello.allocation)
-            .ok_or_else(|| format!("no allocation {:?} on this node", hello.allocation))?;
-        let owner = alloc.owner.as_ref().ok_or_else(|| {
-            format!(
-                "allocation {} has not been started by the kubelet",
-                alloc.id
-            )
-        })?;
+        self.check_in_pod(&hello.allocation, host_pid)?;
+        let alloc = &self.allocs[&hello.allocation];
         let proc_dir = self.settings.proc_root.join(host_pid.to_string());
         let read = |f: &str| {
             std::fs::read_to_string(proc_dir.join(f))
                 .map_err(|e| format!("cannot read {}/{f}: {e}", proc_dir.display()))
         };
-        let uid = owner.uid.as_deref().ok_or_else(|| {
-            format!("allocation {} ({}): the kubelet's checkpoint names no pod UID for it, so the process's cgroup cannot be checked", alloc.id, owner.key())
-        })?;
-        if !identity::in_pod(&read("cgroup")?, uid) {
-            return Err(format!("process {host_pid} is not in the cgroup of pod {} (uid {uid}), which holds allocation {}", owner.key(), alloc.id));
-        }
         if identity::innermost_pid(&read("status")?) != Some(hello.pid) {
             return Err(format!(
                 "process {host_pid} claims pid {} in its namespace, which it is not",

@@ -50,11 +50,11 @@ pub async fn run(settings: Settings) -> Result<()> {
         listing: tokio::sync::Mutex::new(()),
         prefetch_wanted: tokio::sync::Notify::new(),
         last_allocate: Mutex::new(Instant::now()),
-        metrics: Default::default(),
+        view: Default::default(),
     });
     tokio::spawn(shared.clone().prefetch());
     if let Some(addr) = settings.metrics_address {
-        let bound = crate::metrics::serve(addr, shared.metrics.clone())
+        let bound = crate::metrics::serve(addr, shared.view.clone(), node_name())
             .await
             .with_context(|| {
                 format!("cannot serve metrics on {addr}; pick another --metrics-address, or off")
@@ -77,7 +77,22 @@ pub async fn run(settings: Settings) -> Result<()> {
             settings.socket_path().display()
         )
     })?;
-    tokio::spawn(crate::control::serve(listener, shared.clone()));
+    tokio::spawn(crate::control::serve(
+        listener,
+        shared.clone(),
+        crate::control::Scope::Container,
+    ));
+    let host = crate::control::bind_host(&settings.query_socket_path()).with_context(|| {
+        format!(
+            "cannot make the host query socket {}",
+            settings.query_socket_path().display()
+        )
+    })?;
+    tokio::spawn(crate::control::serve(
+        host,
+        shared.clone(),
+        crate::control::Scope::Node,
+    ));
     crate::control_loop::start(nvml, shared.clone(), tokio::runtime::Handle::current())
         .context("cannot start the control loop's thread")?;
 
@@ -371,4 +386,18 @@ fn start_health(
             publish();
         }
     });
+}
+
+/// This node's name for gpu-manager's `node` label: `NODE_NAME` (set it from the downward
+/// API), else the host name.
+fn node_name() -> String {
+    std::env::var("NODE_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
+        .unwrap_or_default()
 }

@@ -222,6 +222,52 @@ pub fn processes(nvml: &Nvml, index: u32) -> Result<Vec<ProcMemory>, NvmlError> 
         .collect())
 }
 
+/// A process's utilization sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcUtil {
+    pub pid: u32,
+    pub sm_util: u32,
+    pub timestamp_us: u64,
+}
+
+/// What one GPU did lately.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GpuSample {
+    pub memory_used: u64,
+    pub utilization: Option<u32>,
+    /// Samples newer than the `last_seen` asked with.
+    pub processes: Vec<ProcUtil>,
+}
+
+/// GPU `index`'s memory in use, utilization and per-process samples newer than
+/// `last_seen_us` (whatever NVML cannot answer is left empty).
+pub fn sample(nvml: &Nvml, index: u32, last_seen_us: u64) -> GpuSample {
+    let Ok(d) = nvml.device_by_index(index) else {
+        return GpuSample::default();
+    };
+    GpuSample {
+        memory_used: d.memory_info().map_or(0, |m| m.used),
+        utilization: d.utilization_rates().ok().map(|u| u.gpu),
+        processes: d
+            .process_utilization_stats(last_seen_us)
+            .map(|v| {
+                v.into_iter()
+                    .map(|s| ProcUtil {
+                        pid: s.pid,
+                        sm_util: s.sm_util,
+                        timestamp_us: s.timestamp,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
+/// GPU `index`'s product name.
+pub fn name(nvml: &Nvml, index: u32) -> Result<String, NvmlError> {
+    nvml.device_by_index(index)?.name()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

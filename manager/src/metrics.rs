@@ -1,13 +1,14 @@
 //! Prometheus metrics: what the control loop last saw, served at `GET /metrics` in the
 //! OpenMetrics text format (prometheus-client).
 //!
-//! The control loop replaces one [`Snapshot`] every round; a scrape encodes the snapshot it
-//! finds. A container's series exist exactly while its allocation does (no stale series
-//! after it is gone, none half-updated during a round). Every metric, its labels and unit
-//! are listed in `manager/README.md`.
+//! The control loop replaces one [`View`] every round (the same view `vcuda-smi` shows); a
+//! scrape encodes the view it finds. A container's series exist exactly while its
+//! allocation does (no stale series after it is gone, none half-updated during a round).
+//! Every metric, its labels and unit are listed in `manager/README.md`; gpu-manager's four
+//! metric names are served too, with its labels, so existing dashboards keep working.
 
-use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -15,47 +16,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
-
-/// One GPU of the node.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct GpuRow {
-    pub index: usize,
-    pub uuid: String,
-    pub memory_total: u64,
-    pub healthy: bool,
-    /// Sum of the shares allocated on it, percent (whole GPUs count 100).
-    pub core_allocated: u64,
-    /// Sum of the memory quotas allocated on it, bytes (whole GPUs count their memory).
-    pub memory_allocated: u64,
-}
-
-/// One container on one of its GPUs.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ContainerRow {
-    pub namespace: String,
-    pub pod: String,
-    pub container: String,
-    pub gpu_index: usize,
-    pub gpu_uuid: String,
-    /// Guaranteed share, percent (100 for a whole GPU).
-    pub core_share: u64,
-    /// Elastic upper bound, percent (= the share when hard).
-    pub core_limit: u64,
-    pub memory_quota: u64,
-    /// Device memory as libvcuda accounts it (what the container's processes hold).
-    pub memory_used: u64,
-    /// Device memory the driver reports for the container's processes (the watchdog's view).
-    pub memory_driver: u64,
-    /// Watchdog violations since the manager started.
-    pub watchdog_violations: u64,
-}
-
-/// What a scrape shows.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Snapshot {
-    pub gpus: Vec<GpuRow>,
-    pub containers: Vec<ContainerRow>,
-}
+use vcuda_contract::view::View;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GpuLabels {
@@ -72,15 +33,62 @@ struct ContainerLabels {
     uuid: String,
 }
 
-fn gauge<
+/// gpu-manager's labels (`gpu` is `gpu<N>` or `total`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CompatUtil {
+    namespace: String,
+    pod_name: String,
+    container_name: String,
+    node: String,
+    gpu: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CompatMemory {
+    namespace: String,
+    pod_name: String,
+    container_name: String,
+    node: String,
+    gpu_memory: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CompatRequestUtil {
+    namespace: String,
+    pod_name: String,
+    container_name: String,
+    node: String,
+    req_of_gpu: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CompatRequestMemory {
+    namespace: String,
+    pod_name: String,
+    container_name: String,
+    node: String,
+    req_of_gpu_memory: String,
+}
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+fn family<
+    M: prometheus_client::metrics::TypedMetric
+        + prometheus_client::encoding::EncodeMetric
+        + Default
+        + Clone
+        + Send
+        + Sync
+        + std::fmt::Debug
+        + 'static,
     L: EncodeLabelSet + Clone + std::hash::Hash + Eq + std::fmt::Debug + Send + Sync + 'static,
 >(
     registry: &mut Registry,
     name: &str,
     help: &str,
     unit: Option<Unit>,
-) -> Family<L, Gauge> {
-    let f = Family::<L, Gauge>::default();
+) -> Family<L, M> {
+    let f = Family::<L, M>::default();
     match unit {
         Some(u) => registry.register_with_unit(name, help, u, f.clone()),
         None => registry.register(name, help, f.clone()),
@@ -88,101 +96,235 @@ fn gauge<
     f
 }
 
-fn clamp(v: u64) -> i64 {
+fn int(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// The OpenMetrics text of `s` (pure).
-pub fn encode(s: &Snapshot) -> String {
-    let mut r = Registry::with_prefix("vcuda");
-    let gpu_total = gauge::<GpuLabels>(
-        &mut r,
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// The OpenMetrics text of `v` (pure). `node` labels gpu-manager's metrics.
+pub fn encode(v: &View, node: &str) -> String {
+    let mut root = Registry::default();
+    let r = root.sub_registry_with_prefix("vcuda");
+    let gpu_total = family::<Gauge, GpuLabels>(
+        r,
         "gpu_memory",
         "Device memory of the GPU",
         Some(Unit::Bytes),
     );
-    let gpu_healthy = gauge::<GpuLabels>(
-        &mut r,
+    let gpu_used = family::<Gauge, GpuLabels>(
+        r,
+        "gpu_memory_used",
+        "Device memory in use on the GPU, as the driver reports it (every process)",
+        Some(Unit::Bytes),
+    );
+    let gpu_util = family::<Gauge, GpuLabels>(
+        r,
+        "gpu_utilization_percent",
+        "The driver's GPU utilization over its last sample period, percent",
+        None,
+    );
+    let gpu_healthy = family::<Gauge, GpuLabels>(
+        r,
         "gpu_healthy",
         "1 while the GPU is advertised healthy to the kubelet, 0 after a fatal XID",
         None,
     );
-    let gpu_core = gauge::<GpuLabels>(
-        &mut r,
+    let gpu_core = family::<Gauge, GpuLabels>(
+        r,
         "gpu_core_allocated_percent",
         "Compute shares allocated on the GPU, percent (a whole GPU counts 100)",
         None,
     );
-    let gpu_mem = gauge::<GpuLabels>(
-        &mut r,
+    let gpu_mem = family::<Gauge, GpuLabels>(
+        r,
         "gpu_memory_allocated",
         "Memory quotas allocated on the GPU (a whole GPU counts its memory)",
         Some(Unit::Bytes),
     );
-    for g in &s.gpus {
+    for g in &v.gpus {
         let l = GpuLabels {
             gpu: g.index.to_string(),
             uuid: g.uuid.clone(),
         };
-        gpu_total.get_or_create(&l).set(clamp(g.memory_total));
+        gpu_total.get_or_create(&l).set(int(g.memory_total_bytes));
+        gpu_used.get_or_create(&l).set(int(g.memory_used_bytes));
+        if let Some(u) = g.utilization_percent {
+            gpu_util.get_or_create(&l).set(i64::from(u));
+        }
         gpu_healthy.get_or_create(&l).set(i64::from(g.healthy));
-        gpu_core.get_or_create(&l).set(clamp(g.core_allocated));
-        gpu_mem.get_or_create(&l).set(clamp(g.memory_allocated));
+        gpu_core
+            .get_or_create(&l)
+            .set(i64::from(g.core_allocated_percent));
+        gpu_mem.get_or_create(&l).set(int(g.memory_allocated_bytes));
     }
-    let share = gauge::<ContainerLabels>(
-        &mut r,
+    let share = family::<Gauge, ContainerLabels>(
+        r,
         "container_core_share_percent",
         "The container's guaranteed compute share of the GPU, percent (100: whole GPU)",
         None,
     );
-    let limit = gauge::<ContainerLabels>(
-        &mut r,
+    let limit = family::<Gauge, ContainerLabels>(
+        r,
         "container_core_limit_percent",
         "The container's compute upper bound, percent (= the share unless elastic)",
         None,
     );
-    let quota = gauge::<ContainerLabels>(
-        &mut r,
+    let util = family::<Gauge, ContainerLabels>(
+        r,
+        "container_utilization_percent",
+        "Utilization of the GPU by the container's processes in the driver's last samples, percent",
+        None,
+    );
+    let quota = family::<Gauge, ContainerLabels>(
+        r,
         "container_memory_quota",
         "The container's device-memory quota on the GPU",
         Some(Unit::Bytes),
     );
-    let used = gauge::<ContainerLabels>(
-        &mut r,
+    let used = family::<Gauge, ContainerLabels>(
+        r,
         "container_memory_used",
         "Device memory the container's processes hold, as libvcuda accounts it",
         Some(Unit::Bytes),
     );
-    let driver = gauge::<ContainerLabels>(
-        &mut r,
+    let driver = family::<Gauge, ContainerLabels>(
+        r,
         "container_memory_driver",
         "Device memory the driver (NVML) reports for the container's processes",
         Some(Unit::Bytes),
     );
-    let violations = Family::<ContainerLabels, Counter>::default();
-    r.register(
+    let throttled = family::<Counter<f64, AtomicU64>, ContainerLabels>(
+        r,
+        "container_throttled",
+        "Time the container's processes waited in the compute limiter",
+        Some(Unit::Seconds),
+    );
+    let oom = family::<Counter, ContainerLabels>(
+        r,
+        "container_oom_refusals",
+        "Calls refused with CUDA_ERROR_OUT_OF_MEMORY for the container's quota",
+        None,
+    );
+    let violations = family::<Counter, ContainerLabels>(
+        r,
         "watchdog_violations",
         "Rounds in which the driver reported more memory for the container than its quota (a process bypassing libvcuda), since the manager started",
-        violations.clone(),
+        None,
     );
-    for c in &s.containers {
-        let l = ContainerLabels {
-            namespace: c.namespace.clone(),
-            pod: c.pod.clone(),
-            container: c.container.clone(),
-            gpu: c.gpu_index.to_string(),
-            uuid: c.gpu_uuid.clone(),
-        };
-        share.get_or_create(&l).set(clamp(c.core_share));
-        limit.get_or_create(&l).set(clamp(c.core_limit));
-        quota.get_or_create(&l).set(clamp(c.memory_quota));
-        used.get_or_create(&l).set(clamp(c.memory_used));
-        driver.get_or_create(&l).set(clamp(c.memory_driver));
-        violations.get_or_create(&l).inc_by(c.watchdog_violations);
+    for c in &v.containers {
+        for g in &c.gpus {
+            let l = ContainerLabels {
+                namespace: c.namespace.clone(),
+                pod: c.pod.clone(),
+                container: c.container.clone(),
+                gpu: g.index.to_string(),
+                uuid: g.uuid.clone(),
+            };
+            share.get_or_create(&l).set(i64::from(g.core_share_percent));
+            limit.get_or_create(&l).set(i64::from(g.core_limit_percent));
+            if let Some(u) = g.utilization_percent {
+                util.get_or_create(&l).set(i64::from(u));
+            }
+            quota.get_or_create(&l).set(int(g.memory_quota_bytes));
+            used.get_or_create(&l).set(int(g.memory_used_bytes));
+            driver.get_or_create(&l).set(int(g.memory_driver_bytes));
+            throttled
+                .get_or_create(&l)
+                .inc_by(g.throttled_ns as f64 / 1e9);
+            oom.get_or_create(&l).inc_by(g.oom_refusals);
+            violations.get_or_create(&l).inc_by(g.watchdog_violations);
+        }
     }
+
+    // gpu-manager's names and labels: utilization in percent and memory in MiB, per GPU
+    // (`gpu<N>`) and in total; the request as a fraction of a GPU and in MiB.
+    let r = &mut root;
+    let c_util =
+        family::<FloatGauge, CompatUtil>(r, "container_gpu_utilization", "gpu utilization", None);
+    let c_mem = family::<FloatGauge, CompatMemory>(
+        r,
+        "container_gpu_memory_total",
+        "gpu memory usage in MiB",
+        None,
+    );
+    let c_req_util = family::<FloatGauge, CompatRequestUtil>(
+        r,
+        "container_request_gpu_utilization",
+        "request of gpu utilization",
+        None,
+    );
+    let c_req_mem = family::<FloatGauge, CompatRequestMemory>(
+        r,
+        "container_request_gpu_memory",
+        "request of gpu memory in MiB",
+        None,
+    );
+    for c in &v.containers {
+        let who = |gpu: String| CompatUtil {
+            namespace: c.namespace.clone(),
+            pod_name: c.pod.clone(),
+            container_name: c.container.clone(),
+            node: node.to_string(),
+            gpu,
+        };
+        let mut total_util = 0.0;
+        let mut total_mem = 0.0;
+        let mut req_util = 0.0;
+        let mut req_mem = 0.0;
+        for g in &c.gpus {
+            let u = f64::from(g.utilization_percent.unwrap_or(0));
+            let m = g.memory_used_bytes as f64 / MIB;
+            c_util.get_or_create(&who(format!("gpu{}", g.index))).set(u);
+            let l = who(format!("gpu{}", g.index));
+            c_mem
+                .get_or_create(&CompatMemory {
+                    namespace: l.namespace,
+                    pod_name: l.pod_name,
+                    container_name: l.container_name,
+                    node: l.node,
+                    gpu_memory: l.gpu,
+                })
+                .set(m);
+            total_util += u;
+            total_mem += m;
+            req_util += f64::from(g.core_share_percent) / 100.0;
+            req_mem += g.memory_quota_bytes as f64 / MIB;
+        }
+        let t = who("total".into());
+        c_util.get_or_create(&t).set(total_util);
+        c_mem
+            .get_or_create(&CompatMemory {
+                namespace: t.namespace.clone(),
+                pod_name: t.pod_name.clone(),
+                container_name: t.container_name.clone(),
+                node: t.node.clone(),
+                gpu_memory: "total".into(),
+            })
+            .set(total_mem);
+        c_req_util
+            .get_or_create(&CompatRequestUtil {
+                namespace: t.namespace.clone(),
+                pod_name: t.pod_name.clone(),
+                container_name: t.container_name.clone(),
+                node: t.node.clone(),
+                req_of_gpu: "total".into(),
+            })
+            .set(req_util);
+        c_req_mem
+            .get_or_create(&CompatRequestMemory {
+                namespace: t.namespace,
+                pod_name: t.pod_name,
+                container_name: t.container_name,
+                node: t.node,
+                req_of_gpu_memory: "total".into(),
+            })
+            .set(req_mem);
+    }
+
     let mut out = String::new();
-    if prometheus_client::encoding::text::encode(&mut out, &r).is_err() {
-        let _ = writeln!(out, "# EOF");
+    if prometheus_client::encoding::text::encode(&mut out, &root).is_err() {
+        out.push_str("# EOF\n");
     }
     out
 }
@@ -191,14 +333,15 @@ pub fn encode(s: &Snapshot) -> String {
 /// picks a free one).
 pub async fn serve(
     addr: SocketAddr,
-    snapshot: Arc<parking_lot::Mutex<Snapshot>>,
+    view: Arc<parking_lot::Mutex<View>>,
+    node: String,
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
-            let text = encode(&snapshot.lock());
+            let text = encode(&view.lock(), &node);
             async move {
                 (
                     [(
@@ -221,50 +364,74 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView};
 
-    fn snapshot() -> Snapshot {
-        Snapshot {
-            gpus: vec![GpuRow {
+    fn view() -> View {
+        View {
+            schema: 1,
+            scope: "node".into(),
+            taken_unix: 0,
+            gpus: vec![GpuView {
                 index: 0,
                 uuid: "GPU-a".into(),
-                memory_total: 40 << 30,
+                name: "A100".into(),
+                memory_total_bytes: 40 << 30,
+                memory_used_bytes: 6 << 30,
+                utilization_percent: Some(95),
                 healthy: true,
-                core_allocated: 100,
-                memory_allocated: 12 << 30,
+                core_allocated_percent: 100,
+                memory_allocated_bytes: 12 << 30,
             }],
-            containers: vec![ContainerRow {
+            containers: vec![ContainerView {
                 namespace: "ml".into(),
                 pod: "train".into(),
                 container: "main".into(),
-                gpu_index: 0,
-                gpu_uuid: "GPU-a".into(),
-                core_share: 30,
-                core_limit: 60,
-                memory_quota: 4 << 30,
-                memory_used: 1 << 30,
-                memory_driver: 5 << 30,
-                watchdog_violations: 3,
+                allocation: "a1".into(),
+                gpus: vec![ContainerGpuView {
+                    index: 0,
+                    uuid: "GPU-a".into(),
+                    core_share_percent: 30,
+                    core_limit_percent: 60,
+                    utilization_percent: Some(29),
+                    memory_used_bytes: 1 << 30,
+                    memory_quota_bytes: 4 << 30,
+                    memory_driver_bytes: 5 << 30,
+                    throttled_ns: 2_500_000_000,
+                    oom_refusals: 7,
+                    watchdog_violations: 3,
+                }],
+                processes: vec![],
             }],
         }
     }
 
     #[test]
     fn every_metric_is_named_labelled_and_valued() {
-        let text = encode(&snapshot());
+        let text = encode(&view(), "node-1");
         let c = r#"{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"}"#;
+        let g = r#"{gpu="0",uuid="GPU-a"}"#;
+        let compat = r#"namespace="ml",pod_name="train",container_name="main",node="node-1""#;
         for line in [
             format!("vcuda_container_core_share_percent{c} 30"),
             format!("vcuda_container_core_limit_percent{c} 60"),
+            format!("vcuda_container_utilization_percent{c} 29"),
             format!("vcuda_container_memory_quota_bytes{c} {}", 4u64 << 30),
             format!("vcuda_container_memory_used_bytes{c} {}", 1u64 << 30),
             format!("vcuda_container_memory_driver_bytes{c} {}", 5u64 << 30),
+            format!("vcuda_container_throttled_seconds_total{c} 2.5"),
+            format!("vcuda_container_oom_refusals_total{c} 7"),
             format!("vcuda_watchdog_violations_total{c} 3"),
-            format!(
-                r#"vcuda_gpu_memory_bytes{{gpu="0",uuid="GPU-a"}} {}"#,
-                40u64 << 30
-            ),
-            r#"vcuda_gpu_healthy{gpu="0",uuid="GPU-a"} 1"#.to_string(),
-            r#"vcuda_gpu_core_allocated_percent{gpu="0",uuid="GPU-a"} 100"#.to_string(),
+            format!("vcuda_gpu_memory_bytes{g} {}", 40u64 << 30),
+            format!("vcuda_gpu_memory_used_bytes{g} {}", 6u64 << 30),
+            format!("vcuda_gpu_utilization_percent{g} 95"),
+            format!("vcuda_gpu_healthy{g} 1"),
+            format!("vcuda_gpu_core_allocated_percent{g} 100"),
+            format!("vcuda_gpu_memory_allocated_bytes{g} {}", 12u64 << 30),
+            format!(r#"container_gpu_utilization{{{compat},gpu="gpu0"}} 29.0"#),
+            format!(r#"container_gpu_utilization{{{compat},gpu="total"}} 29.0"#),
+            format!(r#"container_gpu_memory_total{{{compat},gpu_memory="total"}} 1024.0"#),
+            format!(r#"container_request_gpu_utilization{{{compat},req_of_gpu="total"}} 0.3"#),
+            format!(r#"container_request_gpu_memory{{{compat},req_of_gpu_memory="total"}} 4096.0"#),
         ] {
             assert!(
                 text.lines().any(|l| l == line),
@@ -277,8 +444,9 @@ mod tests {
 
     #[test]
     fn a_gone_container_has_no_series() {
-        let mut s = snapshot();
-        s.containers.clear();
-        assert!(!encode(&s).contains("train"));
+        let mut v = view();
+        v.containers.clear();
+        let text = encode(&v, "n");
+        assert!(!text.contains("train"));
     }
 }

@@ -35,8 +35,8 @@ pub struct Shared {
     pub prefetch_wanted: tokio::sync::Notify,
     /// When the last Allocate was answered.
     pub last_allocate: Mutex<Instant>,
-    /// What `/metrics` shows (the control loop replaces it every round).
-    pub metrics: Arc<Mutex<crate::metrics::Snapshot>>,
+    /// What `vcuda-smi` and `/metrics` show (the control loop replaces it every round).
+    pub view: Arc<Mutex<vcuda_contract::view::View>>,
 }
 
 /// How long Allocates must have been quiet before the manager lists PodResources ahead of

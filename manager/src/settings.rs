@@ -129,6 +129,8 @@ pub struct Settings {
 
 /// Where the control socket sits inside `run_dir` (and, mounted, inside containers).
 pub const SOCKET_NAME: &str = "manager.sock";
+/// The host-only query socket inside `run_dir`.
+pub const QUERY_SOCKET_NAME: &str = "query.sock";
 
 impl Settings {
     /// Flags over the file over defaults.
@@ -219,6 +221,12 @@ impl Settings {
     /// The control socket's path on the host.
     pub fn socket_path(&self) -> PathBuf {
         self.run_dir.join("sock").join(SOCKET_NAME)
+    }
+
+    /// The host's query socket (`vcuda-smi` on the node): in `run_dir` itself, which no
+    /// container is given, so only the host (and the manager's own pod) reach it.
+    pub fn query_socket_path(&self) -> PathBuf {
+        self.run_dir.join(QUERY_SOCKET_NAME)
     }
 }
 

@@ -10,7 +10,8 @@
 //! The conversation: the library sends [`Request::Hello`] naming its allocation and region
 //! slot; the manager answers [`Reply::Welcome`] (with the process's pid on the host) or
 //! [`Reply::Refused`]. Either side may then [`Request::Ping`] / [`Reply::Pong`] to tell a live
-//! peer from a dead one. What the manager does with a Hello is its business; this module fixes
+//! peer from a dead one. `vcuda-smi` sends [`Request::Query`] and reads the
+//! [`crate::view::View`] back in [`Reply::ViewChunk`]s (a view can be larger than a frame). What the manager does with a Hello is its business; this module fixes
 //! only the bytes.
 //!
 //! **Neither side trusts the other's bytes.** The manager reads from containers, which may be
@@ -47,6 +48,11 @@ pub const VERSION_BYTES: usize = 2;
 pub use crate::config::MAX_ALLOCATION_LEN;
 /// Longest [`Reply::Refused`] reason accepted, in bytes.
 pub const MAX_REASON_LEN: usize = 256;
+/// Most view bytes in one [`Reply::ViewChunk`].
+pub const VIEW_CHUNK: usize = 12 * 1024;
+/// Most view bytes a reader assembles (a node of 8 GPUs × hundreds of containers is far
+/// below this).
+pub const MAX_VIEW: usize = 16 << 20;
 
 /// How a process introduces itself, once per connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,6 +78,14 @@ pub enum Request {
     Hello(Hello),
     /// Tag 1: are you there? Answered by [`Reply::Pong`].
     Ping,
+    /// Tag 2: what does the node look like (`vcuda-smi`)? Answered by [`Reply::ViewChunk`]s
+    /// or [`Reply::Refused`]. `allocation`: only that container (which the asking process
+    /// must belong to, on a container's socket); None: the whole node (the host's socket
+    /// only).
+    Query {
+        /// At most [`MAX_ALLOCATION_LEN`] bytes.
+        allocation: Option<String>,
+    },
 }
 
 /// Manager → library.
@@ -89,12 +103,15 @@ pub enum Reply {
     },
     /// Tag 2: the answer to [`Request::Ping`].
     Pong,
+    /// Tag 3: part of the answer to [`Request::Query`]: postcard bytes of a
+    /// [`crate::view::View`], at most [`VIEW_CHUNK`] per frame, in order; `last` ends it.
+    ViewChunk { data: Vec<u8>, last: bool },
 }
 
 /// Variant counts, for naming an unknown tag in errors. Kept honest by a test that encodes the
 /// last variant of each enum.
-const REQUEST_VARIANTS: u32 = 2;
-const REPLY_VARIANTS: u32 = 3;
+const REQUEST_VARIANTS: u32 = 3;
+const REPLY_VARIANTS: u32 = 4;
 
 impl Reply {
     /// A [`Reply::Refused`] whose reason is cut (at a character boundary) to
@@ -224,6 +241,62 @@ fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
     frame
 }
 
+/// The frames answering a [`Request::Query`] with `view` (at least one, the last marked).
+pub fn view_frames(view: &crate::view::View) -> Vec<Vec<u8>> {
+    let bytes = view.to_bytes();
+    let mut chunks: Vec<&[u8]> = bytes.chunks(VIEW_CHUNK).collect();
+    if chunks.is_empty() {
+        chunks.push(&[]);
+    }
+    let n = chunks.len();
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            encode_reply(&Reply::ViewChunk {
+                data: c.to_vec(),
+                last: i + 1 == n,
+            })
+        })
+        .collect()
+}
+
+/// What reading a view can fail with, beyond the socket's own errors.
+#[derive(Debug, thiserror::Error)]
+pub enum ViewError {
+    #[error("{0}")]
+    Control(#[from] ControlError),
+    #[error("the manager refused: {0}")]
+    Refused(String),
+    #[error("the manager answered {0:?} to a query")]
+    Unexpected(Box<Reply>),
+    #[error("the view is larger than {MAX_VIEW} bytes")]
+    TooLarge,
+    #[error("the view does not decode ({0}); are vcuda-smi and vcuda-manager the same release?")]
+    Decode(postcard::Error),
+}
+
+/// Read the [`Reply::ViewChunk`]s answering a query (blocking) and decode the view.
+pub fn read_view(r: &mut impl Read) -> Result<crate::view::View, ViewError> {
+    let mut bytes = Vec::new();
+    loop {
+        match read_reply(r)? {
+            Reply::ViewChunk { data, last } => {
+                if bytes.len() + data.len() > MAX_VIEW {
+                    return Err(ViewError::TooLarge);
+                }
+                bytes.extend_from_slice(&data);
+                if last {
+                    break;
+                }
+            }
+            Reply::Refused { reason } => return Err(ViewError::Refused(reason)),
+            other => return Err(ViewError::Unexpected(Box::new(other))),
+        }
+    }
+    crate::view::View::from_bytes(&bytes).map_err(ViewError::Decode)
+}
+
 /// The payload length a length field announces, if acceptable. Checked before any byte of the
 /// body is read or allocated.
 fn payload_len(field: u32) -> Result<usize, FrameError> {
@@ -240,13 +313,17 @@ fn payload_len(field: u32) -> Result<usize, FrameError> {
 pub fn decode_request(payload: &[u8]) -> Result<Request, DecodeError> {
     const MESSAGE: &str = "Request";
     let req: Request = decode(payload, MESSAGE, REQUEST_VARIANTS)?;
-    if let Request::Hello(h) = &req {
-        check_len(
+    match &req {
+        Request::Hello(h) => check_len(
             MESSAGE,
             "Hello.allocation",
             &h.allocation,
             MAX_ALLOCATION_LEN,
-        )?;
+        )?,
+        Request::Query {
+            allocation: Some(a),
+        } => check_len(MESSAGE, "Query.allocation", a, MAX_ALLOCATION_LEN)?,
+        _ => {}
     }
     Ok(req)
 }
@@ -255,8 +332,17 @@ pub fn decode_request(payload: &[u8]) -> Result<Request, DecodeError> {
 pub fn decode_reply(payload: &[u8]) -> Result<Reply, DecodeError> {
     const MESSAGE: &str = "Reply";
     let reply: Reply = decode(payload, MESSAGE, REPLY_VARIANTS)?;
-    if let Reply::Refused { reason } = &reply {
-        check_len(MESSAGE, "Refused.reason", reason, MAX_REASON_LEN)?;
+    match &reply {
+        Reply::Refused { reason } => check_len(MESSAGE, "Refused.reason", reason, MAX_REASON_LEN)?,
+        Reply::ViewChunk { data, .. } if data.len() > VIEW_CHUNK => {
+            return Err(DecodeError::TooLong {
+                message: MESSAGE,
+                field: "ViewChunk.data",
+                len: data.len(),
+                max: VIEW_CHUNK,
+            })
+        }
+        _ => {}
     }
     Ok(reply)
 }
@@ -488,6 +574,10 @@ mod tests {
                 start_time: 0,
             }),
             Request::Ping,
+            Request::Query { allocation: None },
+            Request::Query {
+                allocation: Some("a1".into()),
+            },
         ]
     }
 
@@ -502,6 +592,10 @@ mod tests {
                 reason: "é".repeat(MAX_REASON_LEN / 2),
             },
             Reply::Pong,
+            Reply::ViewChunk {
+                data: vec![7; VIEW_CHUNK],
+                last: true,
+            },
         ]
     }
 
@@ -555,11 +649,16 @@ mod tests {
         );
         // The variant counts used to name unknown tags match the enums.
         assert_eq!(
-            leading_tag(&payload(&encode_request(&Request::Ping))[2..]),
+            leading_tag(&payload(&encode_request(&Request::Query { allocation: None }))[2..]),
             Some(REQUEST_VARIANTS - 1)
         );
         assert_eq!(
-            leading_tag(&payload(&encode_reply(&Reply::Pong))[2..]),
+            leading_tag(
+                &payload(&encode_reply(&Reply::ViewChunk {
+                    data: vec![],
+                    last: true
+                }))[2..]
+            ),
             Some(REPLY_VARIANTS - 1)
         );
     }
@@ -668,19 +767,46 @@ mod tests {
     }
 
     #[test]
+    fn a_view_larger_than_a_frame_travels_in_chunks() {
+        let mut v = crate::view::View {
+            schema: crate::view::SCHEMA,
+            scope: "node".into(),
+            ..Default::default()
+        };
+        for i in 0..2000 {
+            v.containers.push(crate::view::ContainerView {
+                pod: format!("pod-{i}"),
+                allocation: format!("a{i}"),
+                ..Default::default()
+            });
+        }
+        let frames = view_frames(&v);
+        assert!(frames.len() > 1, "{} bytes", v.to_bytes().len());
+        assert!(frames.iter().all(|f| f.len() <= LEN_BYTES + MAX_FRAME));
+        let wire: Vec<u8> = frames.concat();
+        assert_eq!(read_view(&mut &wire[..]).unwrap(), v);
+        // A refusal instead of a view is an error naming the reason.
+        let refused = encode_reply(&Reply::refused("not yours"));
+        let e = read_view(&mut &refused[..]).unwrap_err();
+        assert!(e.to_string().contains("not yours"), "{e}");
+        // An empty view is one (last) frame.
+        assert_eq!(view_frames(&crate::view::View::default()).len(), 1);
+    }
+
+    #[test]
     fn unknown_variants_are_rejected() {
         assert_eq!(
-            decode_request(&versioned(&[2])),
+            decode_request(&versioned(&[REQUEST_VARIANTS as u8])),
             Err(DecodeError::UnknownVariant {
                 message: "Request",
-                tag: 2
+                tag: REQUEST_VARIANTS
             })
         );
         assert_eq!(
-            decode_reply(&versioned(&[3])),
+            decode_reply(&versioned(&[REPLY_VARIANTS as u8])),
             Err(DecodeError::UnknownVariant {
                 message: "Reply",
-                tag: 3
+                tag: REPLY_VARIANTS
             })
         );
         // A large tag as a multi-byte varint.
@@ -897,6 +1023,8 @@ mod tests {
                     })
                 }),
             Just(Request::Ping),
+            proptest::option::of(arb_string(MAX_ALLOCATION_LEN))
+                .prop_map(|allocation| Request::Query { allocation }),
         ]
     }
 
@@ -905,6 +1033,8 @@ mod tests {
             any::<u32>().prop_map(|host_pid| Reply::Welcome { host_pid }),
             arb_string(MAX_REASON_LEN).prop_map(|reason| Reply::Refused { reason }),
             Just(Reply::Pong),
+            (proptest::collection::vec(any::<u8>(), 0..64), any::<bool>())
+                .prop_map(|(data, last)| Reply::ViewChunk { data, last }),
         ]
     }
 

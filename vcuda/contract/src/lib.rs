@@ -4,6 +4,7 @@
 //! - [`region`]: the per-container usage region (read-write, shared by the container's
 //!   processes), its layout and its lock-free reservation protocol.
 //! - [`control`]: the library ↔ manager control-socket protocol (framing, messages, decoding).
+//! - [`view`]: what the manager's query API answers (`vcuda-smi`; its `--json` schema).
 //!
 //! Invariants: no tokio, no tonic, no allocation-heavy dependencies — this crate is linked
 //! into every CUDA process. A change to the region layout bumps `REGION_VERSION`; a change to
@@ -12,6 +13,7 @@
 pub mod config;
 pub mod control;
 pub mod region;
+pub mod view;
 
 pub use config::{ConfigError, ContainerConfig, GpuLimit};
 pub use region::{Region, RegionError, SlotId};
