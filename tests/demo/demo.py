@@ -6,8 +6,10 @@ daemon, and libvcuda runs inside two "pods" sharing GPU 0:
   pod B: tencent.com/vcuda-core 70, tencent.com/vcuda-memory 32 (8 GiB)
 
 Each runs a saturating kernel loop and holds device memory; gpusim's ground truth shows
-their usage; pod A asks for more than its quota and is refused; and first, a request the
-contract does not allow is refused with a reason the user reads in `kubectl describe pod`.
+their utilization over the run against their shares, and their memory; pod A asks for more
+than its quota and is refused; vcuda-smi shows the node as an operator sees it. First, a
+request the contract does not allow is refused with a reason the user reads in
+`kubectl describe pod`.
 """
 
 import json
@@ -21,7 +23,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "gpusim" / "e2e"))
 
 from conftest import Sim  # noqa: E402
-from node_common import CORE, MEMORY, Node  # noqa: E402
+from node_common import CORE, MEMORY, RELEASE, Node  # noqa: E402
 
 
 def say(msg):
@@ -58,7 +60,7 @@ def main():
             pods[name] = c
 
         say("each pod runs a saturating kernel loop and holds device memory (libvcuda preloaded)")
-        loads, fills = {}, {}
+        loads, fills, loads_p = {}, {}, []
         for name, hold in (("pod-a", 3072), ("pod-b", 6144)):
             c = pods[name]
             f = c.popen([bins / "fill", 512, hold], stdin=subprocess.PIPE)
@@ -68,26 +70,10 @@ def main():
                     print(f"  [{name} fill] {line.strip()}")
                     break
             fills[name] = f
-            ld = c.popen([bins / "load", "--kernel", "spin_1ms", "--seconds", "6"])
+            ld = c.popen([bins / "load", "--kernel", "spin_1ms", "--seconds", "7"])
             procs.append(ld)
+            loads_p.append(ld)
             loads[name] = int(ld.stdout.readline().split("=")[1])
-        time.sleep(1.5)
-        s0 = sim.status()
-        time.sleep(3)
-        s1 = sim.status()
-        say("gpusim's ground truth for GPU 0 over 3 s (every process, memory and busy time)")
-        g0, g1 = s0["gpus"][0], s1["gpus"][0]
-        span = s1["time_ns"] - s0["time_ns"]
-        before = {p["pid"]: p["busy_ns"] for p in g0["processes"]}
-        print(f"  GPU 0: {g1['memory_used'] >> 20} of {g1['memory_total'] >> 20} MiB used")
-        for name in ("pod-a", "pod-b"):
-            pid = loads[name]
-            p = next(p for p in g1["processes"] if p["pid"] == pid)
-            fp = next(p for p in g1["processes"] if p["pid"] == fills[name].pid)
-            util = (p["busy_ns"] - before.get(pid, 0)) / span
-            print(f"  {name}: kernel loop {util:6.1%} of the GPU; memory {(fp['memory'] + p['memory']) >> 20} MiB held by its two processes")
-        for ld in procs[1::2]:
-            ld.wait(timeout=30)
 
         say("pod A asks for 2 GiB more than it has left: refused with CUDA_ERROR_OUT_OF_MEMORY, the application carries on")
         f = pods["pod-a"].popen([bins / "fill", 2048, 2048], stdin=subprocess.PIPE)
@@ -97,6 +83,31 @@ def main():
                 break
         f.stdin.close()
         f.wait(timeout=30)
+
+        say("each pod's utilization of GPU 0 over the run, every 0.5 s, against its share (gpusim's ground truth)")
+        print(f"  {'time':>6}  {'pod-a (share 30 %)':32}  pod-b (share 70 %)")
+        bar = lambda u: ("#" * round(u * 20)).ljust(20)  # noqa: E731
+        busy = lambda st, pid: next((p["busy_ns"] for p in st["gpus"][0]["processes"] if p["pid"] == pid), 0)  # noqa: E731
+        start = prev = sim.status()
+        for i in range(8):
+            time.sleep(0.5)
+            cur = sim.status()
+            span = cur["time_ns"] - prev["time_ns"]
+            cells = [(busy(cur, loads[n]) - busy(prev, loads[n])) / span for n in ("pod-a", "pod-b")]
+            print(f"  {(i + 1) * 0.5:4.1f} s  {cells[0]:6.1%} {bar(cells[0])}    {cells[1]:6.1%} {bar(cells[1])}")
+            prev = cur
+        span = prev["time_ns"] - start["time_ns"]
+        avg = [(busy(prev, loads[n]) - busy(start, loads[n])) / span for n in ("pod-a", "pod-b")]
+        print(f"  {'4 s':>6}  {avg[0]:6.1%} on average{'':14}{avg[1]:6.1%} on average")
+        g1 = prev["gpus"][0]
+        print(f"  GPU 0 memory: {g1['memory_used'] >> 20} of {g1['memory_total'] >> 20} MiB used")
+
+
+        say("vcuda-smi on the node: the GPUs, and each container's share, memory and refusals (from vcuda-manager)")
+        smi = subprocess.run([RELEASE / "vcuda-smi", "--socket", node.run_dir / "query.sock"], capture_output=True, text=True, timeout=30)
+        print("  " + (smi.stdout or smi.stderr).rstrip().replace("\n", "\n  "))
+        for ld in loads_p:
+            ld.wait(timeout=30)
 
         say(f"done in {time.monotonic() - t0:.0f} s (tests: scripts/test; accuracy: scripts/bench-limiter)")
     finally:
