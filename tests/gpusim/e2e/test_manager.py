@@ -169,7 +169,8 @@ def test_with_a_sandbox_between_admission_and_start_containers_are_configured_ah
     # the cores of deleted pod p with more memory: q must get its own quota, not p's config.
     n = Node(sim, tmp_path / "node")
     try:
-        n.start_kubelet(sandbox_ms=100).start_manager().wait_registered()
+        # 500 ms: far longer than a List (~1 ms), so even a slow CI machine configures ahead.
+        n.start_kubelet(sandbox_ms=500).start_manager().wait_registered()
         p = n.admit("p", core=30, memory=4)
         assert p["containers"][0]["start"]["started"], p
         assert n.container(p, "p").config["gpu"][0]["memory_mib"] == 1024
