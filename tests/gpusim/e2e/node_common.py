@@ -17,6 +17,8 @@ import tempfile
 import time
 import tomllib
 
+import pytest
+
 from conftest import LIB, ROOT, VCUDA_LIB
 
 RELEASE = ROOT / "target" / "release"
@@ -195,6 +197,27 @@ class Node:
         return self.manager_log.read_text() if self.manager_log.exists() else ""
 
 
+@pytest.fixture(scope="module")
+def bins(cc, tmp_path_factory):
+    """The workloads run in containers: `fill` (holds device memory; tests/demo/fill.c) and
+    `load` (saturating kernels; limit_common). Import this fixture into a test module."""
+    from limit_common import build_load
+
+    d = tmp_path_factory.mktemp("node-bin")
+    fill = cc(ROOT / "tests" / "demo" / "fill.c", d / "fill", f"-L{LIB}", "-lcuda")
+    return {"fill": fill, "load": build_load(cc, d)}
+
+
+@pytest.fixture
+def node(sim, tmp_path):
+    """A started node (kubelet-sim + vcuda-manager, both resources registered). Import this
+    fixture into a test module."""
+    n = Node(sim, tmp_path / "node")
+    n.start_kubelet().start_manager().wait_registered()
+    yield n
+    n.close()
+
+
 class Container:
     def __init__(self, env, config, mounts):
         self.env = env
@@ -210,6 +233,21 @@ class Container:
         kw.setdefault("stderr", subprocess.PIPE)
         kw.setdefault("text", True)
         return subprocess.Popen(["bash", "-c", WRAPPER, "wrapper", *map(str, args)], env=self.env, **kw)
+
+    def hold(self, fill, mib):
+        """Run `fill` holding `mib` MiB of device memory until its stdin closes; returns the
+        process once it says it holds them (fails, with its output, if it does not)."""
+        p = self.popen([fill, mib, mib], stdin=subprocess.PIPE)
+        out = ""
+        for line in p.stdout:
+            out += line
+            if "holds" in line or "failed" in line or "refused" in line:
+                break
+        if f"holds {mib} MiB" not in out:
+            p.kill()
+            _, err = p.communicate(timeout=30)
+            raise AssertionError(f"fill did not get {mib} MiB:\n{out}{err}")
+        return p
 
     def run(self, args, timeout=60):
         p = self.popen(args)

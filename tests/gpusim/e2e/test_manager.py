@@ -9,20 +9,10 @@ import time
 
 import pytest
 
-from limit_common import build_load
-from node_common import CORE, Node, wait_for
+from node_common import CORE, Node, bins, wait_for  # noqa: F401 (bins: a fixture)
 from vcuda_common import region_slots
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def bins(cc, tmp_path_factory):
-    d = tmp_path_factory.mktemp("manager-bin")
-    from conftest import LIB, ROOT
-
-    fill = cc(ROOT / "tests" / "demo" / "fill.c", d / "fill", f"-L{LIB}", "-lcuda")
-    return {"fill": fill, "load": build_load(cc, d)}
 
 
 @pytest.fixture

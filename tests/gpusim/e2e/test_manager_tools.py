@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from node_common import Node, wait_for
+from node_common import bins, node, wait_for  # noqa: F401 (bins, node: fixtures)
 
 MiB = 1 << 20
 VENV_BIN = pathlib.Path(sys.executable).parent  # .venv/bin: nvitop, gpustat
@@ -52,34 +52,8 @@ PYNVML = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def fill_bin(cc, tmp_path_factory):
-    from conftest import LIB, ROOT
-
-    d = tmp_path_factory.mktemp("manager-tools-bin")
-    return cc(ROOT / "tests" / "demo" / "fill.c", d / "fill", f"-L{LIB}", "-lcuda")
-
-
-@pytest.fixture
-def node(sim, tmp_path):
-    n = Node(sim, tmp_path / "node")
-    n.start_kubelet().start_manager().wait_registered()
-    yield n
-    n.close()
-
-
-def hold(container, fill_bin, mib):
-    """Start fill holding `mib` MiB in the container; return once it says it holds them."""
-    p = container.popen([fill_bin, mib, mib], stdin=subprocess.PIPE)
-    out = ""
-    for line in p.stdout:
-        out += line
-        if "holds" in line or "failed" in line or "refused" in line:
-            break
-    if f"holds {mib} MiB" not in out:
-        p.kill()
-        _, err = p.communicate(timeout=30)
-        raise AssertionError(f"fill did not get {mib} MiB:\n{out}{err}")
-    return p
+def fill_bin(bins):
+    return bins["fill"]
 
 
 def release(*procs):
@@ -122,9 +96,9 @@ def two_pods(node, fill_bin):
     uuid = ca.config["gpu"][0]["uuid"]
     assert cb.config["gpu"][0]["uuid"] == uuid, "best fit puts both on one GPU"
     assert (ca.config["gpu"][0]["memory_mib"], cb.config["gpu"][0]["memory_mib"]) == (QUOTA_A_MIB, QUOTA_B_MIB)
-    pa = hold(ca, fill_bin, HOLD_A_MIB)
+    pa = ca.hold(fill_bin, HOLD_A_MIB)
     try:
-        pb = hold(cb, fill_bin, HOLD_B_MIB)
+        pb = cb.hold(fill_bin, HOLD_B_MIB)
     except BaseException:
         release(pa)
         raise

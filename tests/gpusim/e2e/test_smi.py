@@ -8,42 +8,15 @@ import time
 
 import pytest
 
-from limit_common import build_load
-from node_common import RELEASE, Node, wait_for
+from node_common import RELEASE, bins, node, wait_for  # noqa: F401 (bins, node: fixtures)
 
 SMI = RELEASE / "vcuda-smi"
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def bins(cc, tmp_path_factory):
-    d = tmp_path_factory.mktemp("smi-bin")
-    from conftest import LIB, ROOT
-
-    fill = cc(ROOT / "tests" / "demo" / "fill.c", d / "fill", f"-L{LIB}", "-lcuda")
-    return {"fill": fill, "load": build_load(cc, d)}
-
-
-@pytest.fixture
-def node(sim, tmp_path):
-    n = Node(sim, tmp_path / "node")
-    n.start_kubelet().start_manager().wait_registered()
-    yield n
-    n.close()
-
-
 def smi(node, *args, env=None):
     p = subprocess.run([SMI, "--socket", node.run_dir / "query.sock", *args], capture_output=True, text=True, timeout=30, env=env)
     return p
-
-
-def hold(container, bins, mib):
-    """A process in the container holding `mib` MiB until its stdin closes."""
-    p = container.popen([bins["fill"], mib, mib], stdin=subprocess.PIPE)
-    for line in p.stdout:
-        if "holds" in line:
-            return p
-    raise AssertionError(f"fill did not start: {p.stderr.read()}")
 
 
 def container_of(view, pod):
@@ -66,7 +39,7 @@ def test_the_node_view_shows_every_gpu_and_container(node, bins):
     a = node.admit("a", core=30, memory=16)
     b = node.admit("b", core=70, memory=32)
     ca, cb = node.container(a, "a"), node.container(b, "b")
-    pa, pb = hold(ca, bins, 1024), hold(cb, bins, 2048)
+    pa, pb = ca.hold(bins["fill"], 1024), cb.hold(bins["fill"], 2048)
     load = ca.popen([bins["load"], "--kernel", "spin_1ms", "--seconds", "8"])
     load.stdout.readline()
     try:
