@@ -171,13 +171,16 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                 }
             }
         }
-        drop(core);
         {
+            // Recorded under the state lock (lock order: core, then lists), so that whoever
+            // holds the state lock sees every allocation it holds reflected in the cache's
+            // rules ([`Shared::finish_ahead`]).
             let mut lists = self.shared.lists.lock();
             for c in &requests {
                 lists.answered(&resource, &c.devices_ids, t0);
             }
         }
+        drop(core);
         *self.shared.last_allocate.lock() = Instant::now();
         self.shared.prefetch_wanted.notify_one();
         tracing::debug!(us = t0.elapsed().as_micros() as u64, "Allocate handled");
@@ -331,28 +334,25 @@ impl Shared {
     /// allocations it shows (pair, config, region), so that PreStartContainer finds them
     /// done. What fails here is left for PreStartContainer to fail with its reason.
     fn finish_ahead(&self) {
+        // Hold the state lock throughout: Allocates record under it, so no allocation can
+        // appear between checking the list and configuring from it (a list older than an
+        // Allocate of the same cores would name the previous holder).
+        let mut core = self.core.lock();
         let Some(list) = self.lists.lock().usable() else {
             return;
         };
-        let (domain, waiting) = {
-            let core = self.core.lock();
-            let waiting: Vec<Vec<String>> = core
-                .allocations()
-                .filter(|a| !a.finished())
-                .map(|a| a.cores.clone())
-                .collect();
-            (core.settings.domain.clone(), waiting)
-        };
+        let domain = core.settings.domain.clone();
+        let waiting: Vec<Vec<String>> = core
+            .allocations()
+            .filter(|a| !a.finished())
+            .map(|a| a.cores.clone())
+            .collect();
         for cores in waiting {
             let Some(held) = find(&list, &domain, Kind::Core, &cores) else {
                 continue;
             };
             let who = format!("{}/{}/{}", held.namespace, held.pod, held.container);
-            match self
-                .core
-                .lock()
-                .pre_start(Kind::Core, &cores, Some(held), None)
-            {
+            match core.pre_start(Kind::Core, &cores, Some(held), None) {
                 Ok(id) => {
                     info!(allocation = %id, container = %who, "container configured ahead of PreStartContainer")
                 }
