@@ -1,0 +1,1037 @@
+#!/usr/bin/env python3
+"""A fake Kubernetes API server for vcuda's tests (Python 3.11 standard library only).
+
+It speaks the core/v1 REST API in JSON for the objects vcuda-scheduler and vcuda-manager use:
+nodes (cluster-scoped), pods and configmaps (namespaced), the pods/binding subresource and the
+pods/status and nodes/status subresources, plus the discovery documents (/api, /api/v1, /apis)
+and /version, so that kube-rs clients (`Client::try_default()` with KUBECONFIG pointing at the
+file written by --kubeconfig) work against it unchanged.
+
+Which upstream behaviour each part follows is said in the docstring of that part; README.md
+has the table and the known gaps (no watch, no admission, no server-side apply, ...).
+
+    python3 apiserver_sim.py --port 0 [--kubeconfig PATH]
+
+prints one JSON line {"ready": true, "url": "http://127.0.0.1:PORT"} once listening.
+
+Test-only endpoints live outside the Kubernetes URL space, under /_sim/:
+    GET  /_sim/requests                      the request log (method, path, query, content type, status)
+    GET  /_sim/objects                       every stored object
+    POST /_sim/reset                         forget all objects, the log and injected faults
+    POST /_sim/conflict-next?path=P&count=N  the next N updates of object P answer 409 Conflict
+"""
+
+import argparse
+import copy
+import datetime
+import json
+import random
+import re
+import sys
+import threading
+import urllib.parse
+import uuid
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+GIT_VERSION = "v1.36.3"
+
+
+# ---- resources ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One core/v1 resource as the real registry (pkg/registry/core/<resource>/) defines it."""
+
+    name: str  # plural, as in the URL and in error messages ("nodes")
+    kind: str
+    namespaced: bool
+    short_names: tuple
+    fields: tuple  # field selectors the real server accepts (the registry's GetAttrs)
+    subresources: tuple
+    # pods set ReturnDeletedObject (the DELETE answer is the pod); the others answer a Status.
+    return_deleted: bool
+
+
+RESOURCES = {
+    r.name: r
+    for r in (
+        Resource("nodes", "Node", False, ("no",), ("metadata.name", "spec.unschedulable"), ("status",), False),
+        Resource(
+            "pods", "Pod", True, ("po",),
+            ("metadata.name", "metadata.namespace", "spec.nodeName", "spec.restartPolicy", "spec.schedulerName",
+             "spec.serviceAccountName", "spec.hostNetwork", "status.phase", "status.podIP", "status.nominatedNodeName"),
+            ("status", "binding"), True,
+        ),
+        Resource("configmaps", "ConfigMap", True, ("cm",), ("metadata.name", "metadata.namespace"), (), False),
+    )
+}
+
+# Verbs as the real discovery document lists them. watch and deletecollection: see README (watch is
+# advertised like the real server does, but answered 405).
+MAIN_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+STATUS_VERBS = ["get", "patch", "update"]
+
+PATCH_TYPES = (
+    "application/json-patch+json",
+    "application/merge-patch+json",
+    "application/strategic-merge-patch+json",
+)
+
+
+# ---- Status errors -------------------------------------------------------------------------------
+# k8s.io/apimachinery/pkg/api/errors: the constructors below reproduce NewNotFound, NewAlreadyExists,
+# NewConflict, NewBadRequest, NewInvalid, NewMethodNotSupported, NewGenericServerResponse and
+# NewInternalError, including their messages and the quirk that details.kind holds the *resource*.
+
+
+class ApiError(Exception):
+    def __init__(self, code, reason, message, details=None):
+        super().__init__(message)
+        self.status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message, "reason": reason}
+        if details is not None:
+            self.status["details"] = details
+        self.status["code"] = code
+        self.code = code
+
+
+def not_found(resource, name):
+    return ApiError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource})
+
+
+def already_exists(resource, name):
+    return ApiError(409, "AlreadyExists", f'{resource} "{name}" already exists', {"name": name, "kind": resource})
+
+
+def conflict(resource, name, why="the object has been modified; please apply your changes to the latest version and try again"):
+    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {resource} "{name}": {why}', {"name": name, "kind": resource})
+
+
+def bad_request(message):
+    return ApiError(400, "BadRequest", message)
+
+
+def path_not_found():
+    return ApiError(404, "NotFound", "the server could not find the requested resource", {})
+
+
+def method_not_allowed(message="the server does not allow this method on the requested resource"):
+    return ApiError(405, "MethodNotAllowed", message, {})
+
+
+def internal_error(message):
+    return ApiError(500, "InternalError", f"Internal error occurred: {message}", {"causes": [{"message": message}]})
+
+
+def patch_not_applied():
+    """A JSON patch whose operation fails (a `test`, a missing path): NewGenericServerResponse(422)
+    with no server message, so the body carries only the generic text and empty details."""
+    return ApiError(422, "Invalid", "the server rejected our request due to an error in our request", {})
+
+
+class FieldError:
+    """k8s.io/apimachinery/pkg/util/validation/field.Error: "<field>: <type>[: <value>][: <detail>]"."""
+
+    TYPES = {"Required": ("FieldValueRequired", "Required value"), "Invalid": ("FieldValueInvalid", "Invalid value"),
+             "Forbidden": ("FieldValueForbidden", "Forbidden")}
+
+    def __init__(self, kind, field, detail="", value=None):
+        self.reason, text = self.TYPES[kind]
+        if kind == "Invalid":
+            text += ": " + json.dumps(value)
+        self.body = text + (": " + detail if detail else "")
+        self.field = field
+
+    def __str__(self):
+        return f"{self.field}: {self.body}"
+
+
+def invalid(kind, name, errors):
+    """NewInvalid: 422, details.kind is the Kind here (not the resource), one cause per error."""
+    agg = str(errors[0]) if len(errors) == 1 else "[" + ", ".join(map(str, errors)) + "]"
+    causes = [{"reason": e.reason, "message": e.body, "field": e.field} for e in errors]
+    return ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {agg}', {"name": name, "kind": kind, "causes": causes})
+
+
+# ---- selectors -----------------------------------------------------------------------------------
+# Label selectors follow k8s.io/apimachinery/pkg/labels (=, ==, !=, in, notin, exists, !exists);
+# field selectors follow k8s.io/apimachinery/pkg/fields (=, ==, != over the registry's field set).
+
+
+def _split_top(text):
+    """Split on commas outside parentheses."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]
+
+
+_SET_RE = re.compile(r"^([A-Za-z0-9_./-]+)\s+(in|notin)\s+\(([^)]*)\)$")
+_EQ_RE = re.compile(r"^([A-Za-z0-9_./-]+)\s*(==|=|!=)\s*([A-Za-z0-9_.-]*)$")
+_EXISTS_RE = re.compile(r"^(!?)\s*([A-Za-z0-9_./-]+)$")
+
+
+def parse_label_selector(text):
+    """Returns a predicate over a labels dict; raises BadRequest on syntax it does not know."""
+    reqs = []
+    for part in _split_top(text or ""):
+        if m := _SET_RE.match(part):
+            key, op, values = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",") if v.strip()}
+            if op == "in":
+                reqs.append(lambda ls, k=key, vs=values: ls.get(k) in vs)
+            else:
+                reqs.append(lambda ls, k=key, vs=values: ls.get(k) not in vs)
+        elif m := _EQ_RE.match(part):
+            key, op, value = m.groups()
+            if op == "!=":
+                reqs.append(lambda ls, k=key, v=value: ls.get(k) != v)
+            else:
+                reqs.append(lambda ls, k=key, v=value: k in ls and ls[k] == v)
+        elif m := _EXISTS_RE.match(part):
+            neg, key = m.groups()
+            reqs.append((lambda ls, k=key: k not in ls) if neg else (lambda ls, k=key: k in ls))
+        else:
+            raise bad_request(f"unable to parse requirement: {part!r}")
+    return lambda labels: all(r(labels or {}) for r in reqs)
+
+
+def field_value(obj, field):
+    """The string the registry's GetAttrs gives a field ("" when absent, booleans as true/false)."""
+    if field == "status.podIP":
+        ips = (obj.get("status") or {}).get("podIPs") or []
+        return ips[0].get("ip", "") if ips else (obj.get("status") or {}).get("podIP", "")
+    cur = obj
+    for p in field.split("."):
+        cur = cur.get(p) if isinstance(cur, dict) else None
+    if isinstance(cur, bool) or (cur is None and field in ("spec.unschedulable", "spec.hostNetwork")):
+        return "true" if cur else "false"
+    return "" if cur is None else str(cur)
+
+
+def parse_field_selector(text, res):
+    reqs = []
+    for part in _split_top(text or ""):
+        m = re.match(r"^([A-Za-z0-9_.]+)\s*(==|=|!=)\s*(.*)$", part)
+        if not m:
+            raise bad_request(f"invalid selector: '{text}'; can't understand '{part}'")
+        field, op, value = m.groups()
+        if field not in res.fields:
+            raise bad_request(f"field label not supported: {field}")
+        if op == "!=":
+            reqs.append(lambda o, f=field, v=value: field_value(o, f) != v)
+        else:
+            reqs.append(lambda o, f=field, v=value: field_value(o, f) == v)
+    return lambda obj: all(r(obj) for r in reqs)
+
+
+# ---- patches -------------------------------------------------------------------------------------
+# Merge patch: RFC 7386. Strategic merge patch: handled as a merge patch (maps merge, null deletes)
+# except that lists are REPLACED, where the real server merges some lists by their patchMergeKey
+# (containers by name, conditions by type, ...); patch directives ($patch, $retainKeys,
+# $setElementOrder/..., $deleteFromPrimitiveList/...) are refused with 400 rather than misapplied.
+# JSON patch: RFC 6902 (add, remove, replace, move, copy, test) with RFC 6901 pointers.
+
+
+def merge_patch(target, patch):
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def _reject_directives(patch):
+    if isinstance(patch, dict):
+        for key, value in patch.items():
+            if key.startswith("$"):
+                raise bad_request(f"apiserver-sim does not simulate strategic merge patch directive {key!r}")
+            _reject_directives(value)
+    elif isinstance(patch, list):
+        for item in patch:
+            _reject_directives(item)
+
+
+class _PatchFailed(Exception):
+    pass
+
+
+def _pointer(path):
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise _PatchFailed(f"invalid pointer {path!r}")
+    return [t.replace("~1", "/").replace("~0", "~") for t in path[1:].split("/")]
+
+
+def _parent(doc, tokens):
+    cur = doc
+    for t in tokens[:-1]:
+        if isinstance(cur, dict) and t in cur:
+            cur = cur[t]
+        elif isinstance(cur, list) and t.isdigit() and int(t) < len(cur):
+            cur = cur[int(t)]
+        else:
+            raise _PatchFailed(f"missing path {t!r}")
+    return cur
+
+
+def _get(doc, tokens):
+    if not tokens:
+        return doc
+    parent, last = _parent(doc, tokens), tokens[-1]
+    if isinstance(parent, dict) and last in parent:
+        return parent[last]
+    if isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
+        return parent[int(last)]
+    raise _PatchFailed(f"missing value at {tokens}")
+
+
+def _add(doc, tokens, value):
+    if not tokens:
+        return value
+    parent, last = _parent(doc, tokens), tokens[-1]
+    if isinstance(parent, dict):
+        parent[last] = value
+    elif isinstance(parent, list):
+        idx = len(parent) if last == "-" else int(last) if last.isdigit() else -1
+        if not 0 <= idx <= len(parent):
+            raise _PatchFailed(f"index {last} out of range")
+        parent.insert(idx, value)
+    else:
+        raise _PatchFailed("parent is not a container")
+    return doc
+
+
+def _remove(doc, tokens):
+    _get(doc, tokens)  # must exist
+    parent, last = _parent(doc, tokens), tokens[-1]
+    if isinstance(parent, dict):
+        del parent[last]
+    else:
+        del parent[int(last)]
+    return doc
+
+
+def check_json_patch(ops):
+    """A malformed patch document is a 400 (jsonpatch.DecodePatch fails before the object is read)."""
+    if not isinstance(ops, list) or not all(isinstance(o, dict) and isinstance(o.get("op"), str) for o in ops):
+        raise bad_request("json: cannot unmarshal object into Go value of type jsonpatch.Patch")
+
+
+def json_patch(doc, ops):
+    """Raises BadRequest for a malformed patch document, 422 (patch_not_applied) when an operation fails."""
+    check_json_patch(ops)
+    doc = copy.deepcopy(doc)
+    try:
+        for op in ops:
+            kind, path = op["op"], _pointer(op.get("path", ""))
+            if kind in ("add", "replace", "test") and "value" not in op:
+                raise bad_request(f"missing value for {kind} operation")
+            if kind == "add":
+                doc = _add(doc, path, copy.deepcopy(op["value"]))
+            elif kind == "remove":
+                doc = _remove(doc, path)
+            elif kind == "replace":
+                _get(doc, path)
+                doc = _add(_remove(doc, path), path, copy.deepcopy(op["value"])) if path else copy.deepcopy(op["value"])
+            elif kind in ("move", "copy"):
+                src = _pointer(op.get("from", ""))
+                value = copy.deepcopy(_get(doc, src))
+                if kind == "move":
+                    doc = _remove(doc, src)
+                doc = _add(doc, path, value)
+            elif kind == "test":
+                if _get(doc, path) != op["value"]:
+                    raise _PatchFailed("test failed")
+            else:
+                raise bad_request(f"Unexpected kind: {kind}")
+    except _PatchFailed:
+        raise patch_not_applied()
+    return doc
+
+
+# ---- the store -----------------------------------------------------------------------------------
+# Follows "Kubernetes API Concepts": every successful write gets a new resourceVersion from one
+# global, increasing counter (etcd's revision); a list carries the revision it was read at; an
+# update whose metadata.resourceVersion is set and stale fails with 409 Conflict (optimistic
+# concurrency); an update that changes nothing is not written and keeps its resourceVersion (the
+# storage layer skips no-op GuaranteedUpdates). All state sits behind one lock, so every request is
+# atomic, as an etcd transaction is.
+
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_NAME_MSG = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
+             "start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is "
+             "'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
+_POD_UPDATE_MSG = ("pod updates may not change fields other than `spec.containers[*].image`,`spec.initContainers[*].image`,"
+                   "`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions to existing tolerations),"
+                   "`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)")
+
+
+def typed(res, obj):
+    """A copy with kind and apiVersion set and first, as the real server serialises objects."""
+    if not isinstance(obj, dict):
+        raise bad_request(f"the body of the request is not a {res.kind} object")
+    out = {"kind": res.kind, "apiVersion": "v1"}
+    out.update((k, copy.deepcopy(v)) for k, v in obj.items() if k not in ("kind", "apiVersion"))
+    _meta(out)
+    return out
+
+
+def now():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _meta(obj):
+    m = obj.get("metadata")
+    if not isinstance(m, dict):
+        m = obj["metadata"] = {}
+    return m
+
+
+def _pod_qos(spec):
+    """pkg/apis/core/helper/qos.GetPodQOS, over cpu and memory only (as upstream)."""
+    containers = (spec.get("containers") or []) + (spec.get("initContainers") or [])
+    requests_seen = limits_seen = False
+    guaranteed = True
+    for c in containers:
+        res = c.get("resources") or {}
+        req = {k: v for k, v in (res.get("requests") or {}).items() if k in ("cpu", "memory")}
+        lim = {k: v for k, v in (res.get("limits") or {}).items() if k in ("cpu", "memory")}
+        requests_seen |= bool(req)
+        limits_seen |= bool(lim)
+        if set(lim) != {"cpu", "memory"} or any(req.get(k, lim[k]) != lim[k] for k in lim):
+            guaranteed = False
+    if not requests_seen and not limits_seen:
+        return "BestEffort"
+    return "Guaranteed" if guaranteed and limits_seen else "Burstable"
+
+
+class Store:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.rv = 0
+        self.objects = {}  # (resource, namespace, name) -> object (with kind/apiVersion)
+        self.conflicts = {}  # object path -> injected conflicts left
+
+    def _bump(self):
+        self.rv += 1
+        return str(self.rv)
+
+    def reset(self):
+        """Clears everything but the resourceVersion counter (resourceVersions never go backwards)."""
+        with self.lock:
+            self.objects.clear()
+            self.conflicts.clear()
+
+    # -- reads --
+
+    def get(self, res, ns, name):
+        with self.lock:
+            obj = self.objects.get((res.name, ns, name))
+            if obj is None:
+                raise not_found(res.name, name)
+            return copy.deepcopy(obj)
+
+    def list(self, res, ns, label_selector="", field_selector=""):
+        """A list: kind <Kind>List, metadata.resourceVersion, items sorted by namespace/name (etcd key
+        order) and, as the real server sends them, without their own kind/apiVersion."""
+        labels_ok = parse_label_selector(label_selector)
+        fields_ok = parse_field_selector(field_selector, res)
+        with self.lock:
+            items = []
+            for (r, o_ns, _), obj in sorted(self.objects.items()):
+                if r == res.name and (ns is None or o_ns == ns) and labels_ok(_meta(obj).get("labels")) and fields_ok(obj):
+                    item = copy.deepcopy(obj)
+                    item.pop("kind", None)
+                    item.pop("apiVersion", None)
+                    items.append(item)
+            return {"kind": res.kind + "List", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)}, "items": items}
+
+    # -- create --
+
+    def create(self, res, ns, body):
+        """rest.BeforeCreate + the resource's strategy + Store.Create."""
+        obj = self.decode(res, body)
+        meta = _meta(obj)
+        if res.namespaced:
+            if meta.get("namespace") and meta["namespace"] != ns:
+                raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+            meta["namespace"] = ns
+        else:
+            meta.pop("namespace", None)
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + "".join(random.choices("bcdfghjklmnpqrstvwxz2456789", k=5))
+        name = meta.get("name") or ""
+        errors = self._validate_meta(meta)
+        if res.name == "pods":
+            errors += self._prepare_pod(obj)
+        if errors:
+            raise invalid(res.kind, name, errors)
+        if meta.get("resourceVersion"):
+            # etcd3 store: "resourceVersion should not be set on objects to be created" (a plain error → 500).
+            raise internal_error("resourceVersion should not be set on objects to be created")
+        for k in ("deletionTimestamp", "deletionGracePeriodSeconds", "selfLink"):
+            meta.pop(k, None)
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = now()
+        with self.lock:
+            key = (res.name, ns if res.namespaced else "", name)
+            if key in self.objects:
+                raise already_exists(res.name, name)
+            meta["resourceVersion"] = self._bump()
+            self.objects[key] = obj
+            return copy.deepcopy(obj)
+
+    def decode(self, res, body):
+        if not isinstance(body, dict):
+            raise bad_request(f"the body of the request is not a {res.kind} object")
+        if body.get("apiVersion", "v1") != "v1":
+            raise bad_request(f"the API version in the data ({body['apiVersion']}) does not match the expected API version (v1)")
+        if body.get("kind", res.kind) != res.kind:
+            raise bad_request(f"the kind in the data ({body['kind']}) does not match the expected kind ({res.kind})")
+        return typed(res, body)
+
+    @staticmethod
+    def _validate_meta(meta):
+        name = meta.get("name") or ""
+        if not name:
+            return [FieldError("Required", "metadata.name", "name or generateName is required")]
+        if len(name) > 253 or not _NAME_RE.match(name):
+            return [FieldError("Invalid", "metadata.name", _NAME_MSG, name)]
+        return []
+
+    @staticmethod
+    def _prepare_pod(pod):
+        """podStrategy.PrepareForCreate (status reset to Pending + qosClass), a subset of the v1
+        defaulting, and the container checks of ValidatePod."""
+        spec = pod.setdefault("spec", {})
+        errors = []
+        containers = spec.get("containers")
+        if not containers:
+            errors.append(FieldError("Required", "spec.containers"))
+        for i, c in enumerate(containers or []):
+            if not c.get("name"):
+                errors.append(FieldError("Required", f"spec.containers[{i}].name"))
+            if not c.get("image"):
+                errors.append(FieldError("Required", f"spec.containers[{i}].image"))
+        spec.setdefault("restartPolicy", "Always")
+        spec.setdefault("terminationGracePeriodSeconds", 30)
+        spec.setdefault("dnsPolicy", "ClusterFirst")
+        spec.setdefault("schedulerName", "default-scheduler")
+        pod["status"] = {"phase": "Pending", "qosClass": _pod_qos(spec)}
+        return errors
+
+    # -- update (PUT, PATCH, subresources) --
+
+    def update(self, res, ns, name, mutate, subresource=None, path=None):
+        """GuaranteedUpdate: `mutate(current)` returns the new object; then the resourceVersion
+        precondition, the strategy's PrepareForUpdate and validation, the no-op check, the write."""
+        with self.lock:
+            key = (res.name, ns if res.namespaced else "", name)
+            current = self.objects.get(key)
+            if current is None:
+                raise not_found(res.name, name)
+            if path and self.conflicts.get(path, 0) > 0:
+                self.conflicts[path] -= 1
+                raise conflict(res.name, name)
+            new = typed(res, mutate(copy.deepcopy(current)))
+            meta, cur_meta = _meta(new), current["metadata"]
+            if meta.get("name") != name:
+                raise bad_request(f"the name of the object ({meta.get('name', '')}) does not match the name on the URL ({name})")
+            if res.namespaced and meta.get("namespace", ns) != ns:
+                raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+            rv = meta.get("resourceVersion")
+            if rv and rv != cur_meta["resourceVersion"]:
+                raise conflict(res.name, name)
+            if meta.get("uid") and meta["uid"] != cur_meta["uid"]:
+                raise invalid(res.kind, name, [FieldError("Invalid", "metadata.uid", "field is immutable", meta["uid"])])
+            if subresource == "status":
+                # *StatusStrategy.PrepareForUpdate + ResetObjectMetaForStatus: only status changes.
+                status = new.get("status")
+                new = copy.deepcopy(current)
+                new["status"] = status
+            else:
+                # nodeStrategy / podStrategy.PrepareForUpdate: status changes through the main resource are dropped.
+                if res.name in ("nodes", "pods"):
+                    if "status" in current:
+                        new["status"] = copy.deepcopy(current["status"])
+                    else:
+                        new.pop("status", None)
+                meta["uid"] = cur_meta["uid"]
+                meta["creationTimestamp"] = cur_meta["creationTimestamp"]
+                for k in ("deletionTimestamp", "deletionGracePeriodSeconds"):
+                    if k in cur_meta:
+                        meta[k] = cur_meta[k]
+                    else:
+                        meta.pop(k, None)
+                meta["namespace"] = cur_meta.get("namespace")
+                if meta["namespace"] is None:
+                    del meta["namespace"]
+                if res.name == "pods" and self._mask_pod_spec(new.get("spec")) != self._mask_pod_spec(current.get("spec")):
+                    raise invalid("Pod", name, [FieldError("Forbidden", "spec", _POD_UPDATE_MSG)])
+            _meta(new)["resourceVersion"] = cur_meta["resourceVersion"]
+            if new == current:
+                return copy.deepcopy(current)
+            new["metadata"]["resourceVersion"] = self._bump()
+            self.objects[key] = new
+            return copy.deepcopy(new)
+
+    @staticmethod
+    def _mask_pod_spec(spec):
+        """ValidatePodUpdate: everything but these fields of a pod's spec is immutable."""
+        s = copy.deepcopy(spec or {})
+        for c in (s.get("containers") or []) + (s.get("initContainers") or []):
+            c.pop("image", None)
+        for k in ("activeDeadlineSeconds", "tolerations", "terminationGracePeriodSeconds", "schedulingGates"):
+            s.pop(k, None)
+        return s
+
+    # -- binding --
+
+    def bind(self, ns, name, binding, path):
+        """BindingREST.Create (pkg/registry/core/pod/storage): validation, then in one update:
+        uid/resourceVersion preconditions from the Binding's metadata, "being deleted" and "already
+        assigned" conflicts (NewConflict on pods/binding), spec.nodeName, the Binding's annotations,
+        and the PodScheduled=True condition. The target node is NOT looked up (upstream does not)."""
+        if not isinstance(binding, dict) or binding.get("kind", "Binding") != "Binding":
+            raise bad_request("not a Binding object")
+        bmeta = binding.get("metadata") or {}
+        if bmeta.get("name") != name:
+            raise bad_request("name in URL does not match name in Binding object")
+        if bmeta.get("namespace", ns) != ns:
+            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+        target = binding.get("target") or {}
+        errors = []
+        if target.get("kind", "") not in ("", "Node"):
+            errors.append(FieldError("Invalid", "target.kind", "must be empty or 'Node'", target["kind"]))
+        if not target.get("name"):
+            errors.append(FieldError("Required", "target.name"))
+        if errors:
+            raise invalid("Binding", name, errors)
+
+        def assign(pod):
+            meta = pod["metadata"]
+            if bmeta.get("uid") and bmeta["uid"] != meta["uid"]:
+                raise conflict("pods", name, f"Precondition failed: UID in precondition: {bmeta['uid']}, UID in object meta: {meta['uid']}")
+            if bmeta.get("resourceVersion") and bmeta["resourceVersion"] != meta["resourceVersion"]:
+                raise conflict("pods", name)
+            if meta.get("deletionTimestamp"):
+                raise conflict("pods/binding", name, f"pod {name} is being deleted, cannot be assigned to a host")
+            node = pod.get("spec", {}).get("nodeName")
+            if node:
+                raise conflict("pods/binding", name, f'pod {name} is already assigned to node "{node}"')
+            pod.setdefault("spec", {})["nodeName"] = target["name"]
+            if bmeta.get("annotations"):
+                meta.setdefault("annotations", {}).update(bmeta["annotations"])
+            conds = pod.setdefault("status", {}).setdefault("conditions", [])
+            cond = {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": now()}
+            for i, c in enumerate(conds):
+                if c.get("type") == "PodScheduled":
+                    conds[i] = cond
+                    break
+            else:
+                conds.append(cond)
+            return pod
+
+        # The binding writes status too, so it goes through the store without the main resource's
+        # "status is dropped" rule: use a private mutate + direct write.
+        with self.lock:
+            key = ("pods", ns, name)
+            current = self.objects.get(key)
+            if current is None:
+                raise not_found("pods", name)
+            if path and self.conflicts.get(path, 0) > 0:
+                self.conflicts[path] -= 1
+                raise conflict("pods", name)
+            new = assign(copy.deepcopy(current))
+            new["metadata"]["resourceVersion"] = self._bump()
+            self.objects[key] = new
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+
+    # -- delete --
+
+    def delete(self, res, ns, name, options):
+        """Store.Delete: preconditions (409), graceful deletion for pods (podStrategy.CheckGracefulDelete:
+        a pod bound to a node gets deletionTimestamp and stays until deleted with grace period 0; an
+        unbound or finished pod goes at once), then the answer: the pod itself (ReturnDeletedObject), or
+        for nodes and configmaps a Status Success whose details name the object."""
+        pre = options.get("preconditions") or {}
+        with self.lock:
+            key = (res.name, ns if res.namespaced else "", name)
+            current = self.objects.get(key)
+            if current is None:
+                raise not_found(res.name, name)
+            meta = current["metadata"]
+            if pre.get("uid") and pre["uid"] != meta["uid"]:
+                raise conflict(res.name, name, f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: {meta['uid']}")
+            if pre.get("resourceVersion") and pre["resourceVersion"] != meta["resourceVersion"]:
+                raise conflict(res.name, name, f"Precondition failed: ResourceVersion in precondition: {pre['resourceVersion']}, "
+                                               f"ResourceVersion in object meta: {meta['resourceVersion']}")
+            if res.name == "pods":
+                grace = options.get("gracePeriodSeconds")
+                spec, phase = current.get("spec") or {}, (current.get("status") or {}).get("phase")
+                if grace is None:
+                    grace = spec.get("terminationGracePeriodSeconds", 30)
+                if not spec.get("nodeName") or phase in ("Succeeded", "Failed"):
+                    grace = 0
+                if grace > 0:
+                    if meta.get("deletionGracePeriodSeconds", grace + 1) > grace:
+                        at = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=grace)
+                        new = copy.deepcopy(current)
+                        new["metadata"]["deletionTimestamp"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+                        new["metadata"]["deletionGracePeriodSeconds"] = grace
+                        new["metadata"]["resourceVersion"] = self._bump()
+                        self.objects[key] = current = new
+                    return copy.deepcopy(current)
+            del self.objects[key]
+            meta["resourceVersion"] = self._bump()
+        if res.return_deleted:
+            return current
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                "details": {"name": name, "kind": res.name, "uid": meta["uid"]}}
+
+    def dump(self):
+        with self.lock:
+            out = {r: [] for r in RESOURCES}
+            for (r, _, _), obj in sorted(self.objects.items()):
+                out[r].append(copy.deepcopy(obj))
+            return {"resourceVersion": str(self.rv), "objects": out}
+
+
+# ---- discovery -----------------------------------------------------------------------------------
+# /api (APIVersions), /api/v1 (APIResourceList), /apis (an empty APIGroupList: only the core group
+# is simulated) and /version (version.Info), shaped like the real documents.
+
+
+def api_versions(host):
+    return {"kind": "APIVersions", "versions": ["v1"],
+            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": host}]}
+
+
+def api_resource_list():
+    resources = []
+    for res in RESOURCES.values():
+        singular = res.kind.lower()
+        resources.append({"name": res.name, "singularName": singular, "namespaced": res.namespaced, "kind": res.kind,
+                          "verbs": MAIN_VERBS, "shortNames": list(res.short_names)})
+        for sub in res.subresources:
+            if sub == "binding":
+                resources.append({"name": "pods/binding", "singularName": "", "namespaced": True, "kind": "Binding", "verbs": ["create"]})
+            else:
+                resources.append({"name": f"{res.name}/{sub}", "singularName": "", "namespaced": res.namespaced, "kind": res.kind,
+                                  "verbs": STATUS_VERBS})
+    resources.sort(key=lambda r: r["name"])
+    return {"kind": "APIResourceList", "groupVersion": "v1", "resources": resources}
+
+
+def version_info():
+    major, minor, _ = GIT_VERSION[1:].split(".")
+    return {"major": major, "minor": minor, "emulationMajor": major, "emulationMinor": minor,
+            "minCompatibilityMajor": major, "minCompatibilityMinor": str(int(minor) - 1),
+            "gitVersion": GIT_VERSION, "gitCommit": "0" * 40, "gitTreeState": "clean",
+            "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25.5", "compiler": "gc", "platform": "linux/amd64"}
+
+
+# ---- HTTP ----------------------------------------------------------------------------------------
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Routes the core/v1 URL space (pkg/endpoints/installer.go's paths) and /_sim/."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "apiserver-sim"
+
+    # -- plumbing --
+
+    def log_message(self, fmt, *args):  # the request log at /_sim/requests replaces stderr noise
+        pass
+
+    def _body(self):
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            data = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return data
+                data += self.rfile.read(size)
+                self.rfile.readline()
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _json_body(self, raw):
+        if not raw.strip():
+            raise bad_request("the request body is empty")
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"json: cannot unmarshal the request body: {e}")
+
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        parsed = urllib.parse.urlsplit(self.path)  # logged before answering, so the log is in answer order
+        if not parsed.path.startswith("/_sim/"):
+            self.server.log_request_entry({
+                "method": self.command, "path": parsed.path, "query": parsed.query,
+                "contentType": self.headers.get("Content-Type", ""), "status": code,
+                "authorization": (self.headers.get("Authorization") or "").split(" ")[0],
+            })
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-cache, private")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _handle(self):
+        raw = self._body()
+        try:
+            code, obj = self._route(raw)
+        except ApiError as e:
+            code, obj = e.code, e.status
+        except Exception as e:  # a bug in the simulator: answer like the real server's InternalError
+            err = internal_error(f"apiserver-sim: {type(e).__name__}: {e}")
+            code, obj = err.code, err.status
+        self._send(code, obj)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+
+    # -- routing --
+
+    def _route(self, raw):
+        parsed = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(parsed.query, keep_blank_values=True))
+        parts = [urllib.parse.unquote(p) for p in parsed.path.split("/") if p]
+        store, method = self.server.store, self.command
+
+        if parts[:1] == ["_sim"]:
+            return self._sim(parts[1:], query, method)
+        if method == "GET" and parts == ["version"]:
+            return 200, version_info()
+        if method == "GET" and parts == ["api"]:
+            return 200, api_versions(f"{self.server.server_address[0]}:{self.server.server_address[1]}")
+        if method == "GET" and parts == ["api", "v1"]:
+            return 200, api_resource_list()
+        if method == "GET" and parts == ["apis"]:
+            return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": []}
+        if parts[:2] != ["api", "v1"]:
+            raise path_not_found()
+        rest = parts[2:]
+        if query.get("watch") in ("true", "1") or rest[:1] == ["watch"]:
+            raise method_not_allowed("watch is not simulated by apiserver-sim: list and poll instead")
+        if query.get("dryRun"):
+            raise bad_request("dryRun is not simulated by apiserver-sim")
+
+        # /api/v1/namespaces/{ns}/{resource}[/{name}[/{sub}]] or /api/v1/{resource}[/{name}[/{sub}]]
+        ns = None
+        if len(rest) >= 3 and rest[0] == "namespaces":
+            ns, rest = rest[1], rest[2:]
+        if not rest or rest[0] not in RESOURCES or len(rest) > 3:
+            raise path_not_found()
+        res = RESOURCES[rest[0]]
+        name = rest[1] if len(rest) > 1 else None
+        sub = rest[2] if len(rest) > 2 else None
+        if ns is not None and not res.namespaced:
+            raise path_not_found()
+        if res.namespaced and ns is None and (name is not None or method != "GET"):
+            raise path_not_found()  # a namespaced object needs its namespace (only list works across them)
+        if sub is not None and sub not in res.subresources:
+            raise path_not_found()
+        obj_path = "/" + "/".join(parts[:len(parts) - (1 if sub else 0)])
+
+        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+        if method in ("POST", "PUT") and ctype != "application/json":
+            raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted media types "
+                           "include: application/json (apiserver-sim speaks JSON only)", {})
+
+        if name is None:  # the collection
+            if method == "GET":
+                return 200, store.list(res, ns, query.get("labelSelector", ""), query.get("fieldSelector", ""))
+            if method == "POST":
+                return 201, store.create(res, ns or "", self._json_body(raw))
+            if method == "DELETE":
+                return 200, self._delete_collection(res, ns, query, raw)
+            raise method_not_allowed()
+
+        if sub == "binding":
+            if method != "POST":
+                raise method_not_allowed()
+            return 201, store.bind(ns, name, self._json_body(raw), obj_path)
+        if method == "GET":
+            return 200, store.get(res, ns or "", name)
+        if method == "PUT":
+            body = self._json_body(raw)
+            if not isinstance(body, dict):
+                raise bad_request(f"the body of the request is not a {res.kind} object")
+            return 200, store.update(res, ns or "", name, lambda cur: store.decode(res, body), sub, obj_path)
+        if method == "PATCH":
+            return 200, self._patch(res, ns or "", name, sub, raw, obj_path)
+        if method == "DELETE" and sub is None:
+            return 200, store.delete(res, ns or "", name, self._delete_options(query, raw))
+        raise method_not_allowed()
+
+    def _patch(self, res, ns, name, sub, raw, obj_path):
+        """PATCH (staging/.../endpoints/handlers/patch.go): the patch is applied to the current object,
+        then saved as an update, so a metadata.resourceVersion in the patch acts as a precondition."""
+        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+        if ctype not in PATCH_TYPES:
+            raise ApiError(415, "UnsupportedMediaType",
+                           f"the body of the request was in an unknown format - accepted media types include: {', '.join(PATCH_TYPES)}"
+                           + (" (server-side apply is not simulated by apiserver-sim)" if ctype == "application/apply-patch+yaml" else ""),
+                           {})
+        patch = self._json_body(raw)
+        if ctype == "application/json-patch+json":
+            check_json_patch(patch)
+            return self.server.store.update(res, ns, name, lambda cur: json_patch(cur, patch), sub, obj_path)
+        if not isinstance(patch, dict):
+            raise bad_request("Invalid JSON Patch")
+        if ctype == "application/strategic-merge-patch+json":
+            _reject_directives(patch)
+        return self.server.store.update(res, ns, name, lambda cur: merge_patch(cur, patch), sub, obj_path)
+
+    def _delete_options(self, query, raw):
+        opts = self._json_body(raw) if raw.strip() else {}
+        if not isinstance(opts, dict):
+            raise bad_request("the body of the request is not a DeleteOptions object")
+        if "gracePeriodSeconds" in query:
+            try:
+                opts["gracePeriodSeconds"] = int(query["gracePeriodSeconds"])
+            except ValueError:
+                raise bad_request(f"invalid gracePeriodSeconds {query['gracePeriodSeconds']!r}")
+        return opts
+
+    def _delete_collection(self, res, ns, query, raw):
+        """DeleteCollection: deletes each listed object as a DELETE would; answers the list of them."""
+        store = self.server.store
+        opts = self._delete_options(query, raw)
+        listed = store.list(res, ns, query.get("labelSelector", ""), query.get("fieldSelector", ""))
+        items = []
+        for item in listed["items"]:
+            try:
+                out = store.delete(res, item["metadata"].get("namespace", ""), item["metadata"]["name"], opts)
+            except ApiError as e:
+                if e.code == 404:
+                    continue  # deleted meanwhile
+                raise
+            items.append(out if out.get("kind") == res.kind else item)
+        for item in items:
+            item.pop("kind", None)
+            item.pop("apiVersion", None)
+        return {"kind": res.kind + "List", "apiVersion": "v1", "metadata": {"resourceVersion": str(store.rv)}, "items": items}
+
+    # -- test-only endpoints --
+
+    def _sim(self, parts, query, method):
+        store = self.server.store
+        if method == "GET" and parts == ["requests"]:
+            return 200, {"requests": self.server.request_log_snapshot()}
+        if method == "GET" and parts == ["objects"]:
+            return 200, store.dump()
+        if method == "POST" and parts == ["reset"]:
+            store.reset()
+            self.server.clear_request_log()
+            return 200, {"reset": True}
+        if method == "POST" and parts == ["conflict-next"]:
+            path = query.get("path", "")
+            if not path.startswith("/api/v1/"):
+                raise bad_request("conflict-next needs path=/api/v1/... (an object path)")
+            try:
+                count = int(query.get("count", "1"))
+            except ValueError:
+                raise bad_request("count must be an integer")
+            with store.lock:
+                store.conflicts[path.rstrip("/")] = count
+            return 200, {"path": path, "count": count}
+        raise path_not_found()
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address):
+        super().__init__(address, Handler)
+        self.store = Store()
+        self._log = []
+        self._log_lock = threading.Lock()
+
+    def log_request_entry(self, entry):
+        with self._log_lock:
+            self._log.append(entry)
+
+    def request_log_snapshot(self):
+        with self._log_lock:
+            return list(self._log)
+
+    def clear_request_log(self):
+        with self._log_lock:
+            self._log.clear()
+
+    @property
+    def url(self):
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+# ---- kubeconfig and CLI --------------------------------------------------------------------------
+
+
+def kubeconfig_text(url, token="apiserver-sim-token", namespace="default"):
+    """A kubeconfig (clientcmd v1 Config) for a plain-http server and a dummy bearer-token user,
+    written by hand (no YAML library needed; every value is a plain scalar)."""
+    return f"""apiVersion: v1
+kind: Config
+clusters:
+- name: apiserver-sim
+  cluster:
+    server: {url}
+users:
+- name: apiserver-sim
+  user:
+    token: {token}
+contexts:
+- name: apiserver-sim
+  context:
+    cluster: apiserver-sim
+    user: apiserver-sim
+    namespace: {namespace}
+current-context: apiserver-sim
+preferences: {{}}
+"""
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free port)")
+    ap.add_argument("--kubeconfig", help="write a kubeconfig pointing at this server to PATH")
+    args = ap.parse_args(argv)
+    server = Server(("127.0.0.1", args.port))
+    if args.kubeconfig:
+        with open(args.kubeconfig, "w") as f:
+            f.write(kubeconfig_text(server.url))
+    print(json.dumps({"ready": True, "url": server.url}), flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
