@@ -9,8 +9,15 @@
 //! - [`quota`] — namespace pools (node labels) and per-model quotas from a ConfigMap.
 //!
 //! The schemas shared with vcuda-manager live in `vcuda-cluster`.
+//!
+//! The I/O lives apart, in modules the pure ones never use (placement stays pure; server and
+//! bind own all I/O):
+//! - [`server`] — the axum routes and the node source for `nodeCacheCapable` requests.
+//! - [`bind`] — the bind verb: reservation on the Node (optimistic concurrency), Binding.
 
+pub mod bind;
 pub mod extender;
 pub mod placement;
 pub mod quota;
 pub mod request;
+pub mod server;

@@ -1,0 +1,105 @@
+//! `vcuda-scheduler`: the kube-scheduler extender service (filter, prioritize, bind).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{ArgAction, Parser, ValueEnum};
+use vcuda_scheduler::placement::{Packing, Policy};
+use vcuda_scheduler::server::{router, AppState};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Strategy {
+    /// Fill a GPU, then a node, before starting the next (keeps whole GPUs and nodes free).
+    Binpack,
+    /// Put work where there is most room (less contention, more fragmentation).
+    Spread,
+}
+
+/// The vcuda scheduler extender: GPU-aware filter, prioritize and bind for kube-scheduler.
+///
+/// Serves POST <url-prefix>filter, <url-prefix>prioritize and <url-prefix>bind in the
+/// extender v1 JSON. Bind reserves the pod's GPUs on the Node (vcuda.io/reservations, written
+/// with the Node's resourceVersion), then creates the Binding with the vcuda.io/assignment
+/// annotation.
+#[derive(Debug, Parser)]
+#[command(name = "vcuda-scheduler", version)]
+struct Args {
+    /// Address to listen on for kube-scheduler's extender calls.
+    #[arg(long, default_value = "0.0.0.0:8888")]
+    listen: SocketAddr,
+    /// Path prefix of the verbs (the extender's urlPrefix path): <prefix>filter,
+    /// <prefix>prioritize, <prefix>bind.
+    #[arg(long, default_value = "/")]
+    url_prefix: String,
+    /// Placement policy: binpack fills GPUs and nodes first; spread prefers the emptiest.
+    #[arg(long, value_enum, default_value = "binpack")]
+    policy: Strategy,
+    /// Put GPU shares on older / lower-compute GPUs and whole GPUs on the newest
+    /// (--prefer-old-for-fractional=false to turn off).
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1,
+          default_missing_value = "true")]
+    prefer_old_for_fractional: bool,
+    /// Domain of the extended resources: <domain>/vcuda-core and <domain>/vcuda-memory.
+    #[arg(long, default_value = vcuda_scheduler::request::DEFAULT_DOMAIN)]
+    domain: String,
+    /// Kubeconfig file for the API server; without it, the in-cluster service account or
+    /// $KUBECONFIG / ~/.kube/config (kube-rs Client::try_default).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+}
+
+async fn client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Client> {
+    let Some(path) = kubeconfig else {
+        return kube::Client::try_default()
+            .await
+            .context("cannot configure the API server client (no in-cluster service account and no usable KUBECONFIG); pass --kubeconfig");
+    };
+    let kc = kube::config::Kubeconfig::read_from(path)
+        .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .with_context(|| format!("kubeconfig {} is not usable", path.display()))?;
+    kube::Client::try_from(cfg).context("cannot build the API server client")
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    // rustls picks a process-wide crypto provider by itself only when exactly one is compiled
+    // in; install ring explicitly so another crate enabling aws-lc-rs cannot make the kube
+    // client panic. An error means one is installed already, which is fine.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let policy = Policy {
+        strategy: match args.policy {
+            Strategy::Binpack => Packing::Binpack,
+            Strategy::Spread => Packing::Spread,
+        },
+        prefer_old_for_fractional: args.prefer_old_for_fractional,
+        ..Policy::default()
+    };
+    let client = client(args.kubeconfig.as_ref()).await?;
+    let app = router(
+        AppState::new(policy, args.domain.clone(), client),
+        &args.url_prefix,
+    );
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}; choose another --listen", args.listen))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, policy = ?args.policy, domain = %args.domain, "vcuda-scheduler listening");
+    println!(
+        "{}",
+        serde_json::json!({"ready": true, "listen": addr.to_string()})
+    );
+    axum::serve(listener, app)
+        .await
+        .context("the HTTP server failed")?;
+    Ok(())
+}

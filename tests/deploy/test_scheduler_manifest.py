@@ -1,0 +1,55 @@
+"""deploy/vcuda-scheduler.yaml keeps to least privilege and configures the extender as the
+binary serves it."""
+
+import pathlib
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOCS = [d for d in yaml.safe_load_all((ROOT / "deploy" / "vcuda-scheduler.yaml").read_text()) if d]
+
+
+def one(kind):
+    (d,) = [d for d in DOCS if d.get("kind") == kind]
+    return d
+
+
+def test_rbac_is_least_privilege():
+    text = yaml.safe_dump_all(DOCS)
+    assert "cluster-admin" not in text and "secrets" not in text and "'*'" not in text
+    rules = {(r["resources"][0], tuple(sorted(r["verbs"]))) for r in one("ClusterRole")["rules"]}
+    assert rules == {("nodes", ("get", "list", "patch")), ("pods", ("get",)), ("pods/binding", ("create",))}
+    for r in one("ClusterRole")["rules"]:
+        assert r["apiGroups"] == [""] and len(r["resources"]) == 1
+    crb = one("ClusterRoleBinding")
+    assert crb["roleRef"]["name"] == "vcuda-scheduler"
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "vcuda-scheduler", "namespace": "vcuda-system"}]
+
+
+def test_deployment_runs_unprivileged_replicas():
+    dep = one("Deployment")
+    assert dep["spec"]["replicas"] >= 2, "no lock: replicas may bind concurrently"
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "vcuda-scheduler"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+    (c,) = pod["containers"]
+    assert c["command"][0] == "vcuda-scheduler"
+    sc = c["securityContext"]
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert c["ports"][0]["containerPort"] == 8888
+    svc = one("Service")
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+
+
+def test_the_extender_entry_matches_the_service():
+    cfg = yaml.safe_load(one("ConfigMap")["data"]["scheduler-config.yaml"])
+    assert cfg["kind"] == "KubeSchedulerConfiguration"
+    assert cfg["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    (ext,) = cfg["extenders"]
+    svc = one("Service")
+    assert ext["urlPrefix"] == f"http://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{svc['spec']['ports'][0]['port']}/"
+    assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"]) == ("filter", "prioritize", "bind")
+    assert ext["nodeCacheCapable"] is True and ext["ignorable"] is False
+    assert {r["name"] for r in ext["managedResources"]} == {"tencent.com/vcuda-core", "tencent.com/vcuda-memory"}
