@@ -12,8 +12,14 @@
 //!    `spec.nodeName`, so a pod never carries an assignment without being bound.
 //! 5. If the Binding fails, the reservation is removed again (best effort, also with the
 //!    Node's resourceVersion).
+//!
+//! With `--quota-configmap`, the Node's labels are checked against the namespace's pool in
+//! step 2, and a namespace with a quota first claims the pod's charges on the quota
+//! ConfigMap ([`admission::claim`], also a compare-and-swap) between steps 2 and 3; the claim
+//! is removed again if the bind fails afterwards. Reservations older than
+//! `--reservation-ttl` are ignored and dropped from the annotation this bind writes.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node as KNode, Pod as KPod};
 use kube::api::{Patch, PatchParams, PostParams};
@@ -24,8 +30,10 @@ use vcuda_cluster::{
     Reservation, Reservations, ASSIGNMENT_ANNOTATION, RESERVATIONS_ANNOTATION, SCHEMA,
 };
 
+use crate::admission::{self, now_ms, AdmissionError, HeldClaim, CLAIM_DEADLINE};
 use crate::extender::{ExtenderBindingArgs, Pod};
-use crate::placement::{self, NodeView};
+use crate::placement::{self, Expiry, NodeView};
+use crate::quota::{self, Amount};
 use crate::request::pod_request;
 use crate::server::{node_view, AppState};
 
@@ -70,18 +78,31 @@ pub enum BindError {
         #[source]
         source: kube::Error,
     },
+    #[error("pod {pod}: {source}")]
+    Admission {
+        pod: String,
+        #[source]
+        source: AdmissionError,
+    },
+    #[error("pod {pod} may not go to node {node}: {source}")]
+    Quota {
+        pod: String,
+        node: String,
+        #[source]
+        source: AdmissionError,
+    },
+    #[error("pod {pod}: its quota claim is {age_ms} ms old, past the {deadline_s} s deadline (the API server is slow); reservation and claim released, the pod is retried")]
+    Late {
+        pod: String,
+        age_ms: u64,
+        deadline_s: u64,
+    },
     #[error("{0}")]
     Internal(String),
 }
 
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(r) if r.code == 409)
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The Node's reservations (a malformed annotation is an error: it would hide commitments).
@@ -102,6 +123,20 @@ fn reservations(
 
 /// Bind the pod (see the module documentation).
 pub async fn bind(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), BindError> {
+    let mut held = None;
+    let out = bind_holding(state, args, &mut held).await;
+    if let (Err(_), Some(h), Some(src)) = (&out, &held, &state.quota) {
+        admission::unclaim(state, src, h).await;
+    }
+    out
+}
+
+/// [`bind`]; `held` is the quota claim written, if any (the caller removes it on error).
+async fn bind_holding(
+    state: &AppState,
+    args: &ExtenderBindingArgs,
+    held: &mut Option<HeldClaim>,
+) -> Result<(), BindError> {
     let pod_id = format!("{}/{}", args.pod_namespace, args.pod_name);
     let pods: Api<KPod> = Api::namespaced(state.client.clone(), &args.pod_namespace);
     let nodes: Api<KNode> = Api::all(state.client.clone());
@@ -134,6 +169,26 @@ pub async fn bind(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), Bi
         pod: pod_id.clone(),
         reason: e.to_string(),
     })?;
+    let admission_err = |source| BindError::Admission {
+        pod: pod_id.clone(),
+        source,
+    };
+    // The namespace's rule (cached read: an edit applies within seconds; the quota itself
+    // is checked on a fresh read when claiming).
+    let gate = match (&state.quota, req.is_empty()) {
+        (Some(src), false) => {
+            let snap = src.snapshot(&state.client).await;
+            src.gate(&snap, &args.pod_namespace)
+                .map_err(admission_err)?
+        }
+        _ => None,
+    };
+    let quota_err = |source| BindError::Quota {
+        pod: pod_id.clone(),
+        node: args.node.clone(),
+        source,
+    };
+    let expiry = state.expiry();
 
     // Reserve, with the Node's resourceVersion as the precondition.
     let mut assignment = None;
@@ -149,17 +204,22 @@ pub async fn bind(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), Bi
             pod: pod_id.clone(),
             reason,
         })?;
-        // A retried bind of the same pod replaces its own reservation.
-        res.pods.retain(|r| r.uid != uid);
+        // A retried bind of the same pod replaces its own reservation; stale ones go.
+        res.pods.retain(|r| r.uid != uid && expiry.live(r));
         let mut clean = ann.clone();
         clean.insert(
             RESERVATIONS_ANNOTATION.to_string(),
             serde_json::to_string(&res).unwrap_or_default(),
         );
-        let view: NodeView = node_view(&args.node, &clean).map_err(|reason| BindError::NoFit {
-            pod: pod_id.clone(),
-            reason,
-        })?;
+        let view: NodeView =
+            node_view(&args.node, &clean, Expiry::NEVER).map_err(|reason| BindError::NoFit {
+                pod: pod_id.clone(),
+                reason,
+            })?;
+        if let Some(g) = &gate {
+            let labels = knode.metadata.labels.clone().unwrap_or_default();
+            g.check_pool(&labels).map_err(quota_err)?;
+        }
         let choice =
             placement::filter(&view, &req, &state.policy).map_err(|reason| BindError::NoFit {
                 pod: pod_id.clone(),
@@ -169,6 +229,26 @@ pub async fn bind(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), Bi
         let gpus = choice.per_gpu(&view);
         if gpus.is_empty() {
             break; // nothing to reserve (a pod without vcuda resources)
+        }
+        // Quota: claim before reserving; again only if this placement charges other models.
+        if let (Some(g), Some(src)) = (&gate, &state.quota) {
+            let models: BTreeMap<String, Amount> =
+                quota::charges(&view, &choice).into_iter().collect();
+            if g.rule.quota.is_some() && held.as_ref().map(|h| &h.models) != Some(&models) {
+                let claim = admission::claim(
+                    state,
+                    src,
+                    &args.pod_namespace,
+                    &args.pod_name,
+                    &uid,
+                    &models,
+                )
+                .await
+                .map_err(quota_err)?;
+                if claim.is_some() {
+                    *held = claim;
+                }
+            }
         }
         res.schema = SCHEMA;
         res.pods.push(Reservation {
@@ -207,6 +287,21 @@ pub async fn bind(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), Bi
         }
     }
 
+    // A claim must not turn into a Binding after it may have expired (see admission).
+    if let Some(h) = held.as_ref() {
+        let age_ms = now_ms().saturating_sub(h.created_unix_ms);
+        if age_ms > CLAIM_DEADLINE.as_millis() as u64 {
+            if reserved {
+                release(&nodes, &args.node, &uid, expiry).await;
+            }
+            return Err(BindError::Late {
+                pod: pod_id,
+                age_ms,
+                deadline_s: CLAIM_DEADLINE.as_secs(),
+            });
+        }
+    }
+
     // Bind, recording the assignment on the pod in the same write.
     let mut meta = json!({"name": args.pod_name, "namespace": args.pod_namespace, "uid": uid});
     if let Some(a) = assignment.filter(|a| !a.containers.is_empty()) {
@@ -229,7 +324,7 @@ pub async fn bind(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), Bi
         .await
     {
         if reserved {
-            release(&nodes, &args.node, &uid).await;
+            release(&nodes, &args.node, &uid, expiry).await;
         }
         return Err(BindError::Binding {
             pod: pod_id,
@@ -241,8 +336,9 @@ pub async fn bind(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), Bi
     Ok(())
 }
 
-/// Remove the pod's reservation from the node (best effort, with resourceVersion).
-async fn release(nodes: &Api<KNode>, node: &str, uid: &str) {
+/// Remove the pod's reservation from the node (best effort, with resourceVersion); stale
+/// reservations go too.
+async fn release(nodes: &Api<KNode>, node: &str, uid: &str, expiry: Expiry) {
     for _ in 0..MAX_ATTEMPTS {
         let Ok(knode) = nodes.get(node).await else {
             break;
@@ -252,11 +348,10 @@ async fn release(nodes: &Api<KNode>, node: &str, uid: &str) {
         let Ok(mut res) = reservations(node, &ann) else {
             break;
         };
-        let before = res.pods.len();
-        res.pods.retain(|r| r.uid != uid);
-        if res.pods.len() == before {
+        if !res.pods.iter().any(|r| r.uid == uid) {
             return;
         }
+        res.pods.retain(|r| r.uid != uid && expiry.live(r));
         let value = serde_json::to_string(&res).unwrap_or_default();
         let patch = json!({"metadata": {"resourceVersion": rv, "annotations": {RESERVATIONS_ANNOTATION: value}}});
         match nodes

@@ -6,7 +6,9 @@
 //! - [`request`] — what a pod asks for (vcuda-core / vcuda-memory, `vcuda.io/gpu-count`).
 //! - [`placement`] — [`placement::filter`] (a placement or the reason there is none) and
 //!   [`placement::score`] (binpack or spread, 0..=10).
-//! - [`quota`] — namespace pools (node labels) and per-model quotas from a ConfigMap.
+//! - [`quota`] — namespace pools (node labels) and per-model quotas from a ConfigMap, usage
+//!   sums and claim pruning.
+//! - [`settings`] — command-line values (durations, `NAMESPACE/NAME`).
 //!
 //! The schemas shared with vcuda-manager live in `vcuda-cluster`.
 //!
@@ -14,10 +16,14 @@
 //! bind own all I/O):
 //! - [`server`] — the axum routes and the node source for `nodeCacheCapable` requests.
 //! - [`bind`] — the bind verb: reservation on the Node (optimistic concurrency), Binding.
+//! - [`admission`] — the quota ConfigMap, namespace usage and quota claims (optimistic
+//!   concurrency on the ConfigMap).
 
+pub mod admission;
 pub mod bind;
 pub mod extender;
 pub mod placement;
 pub mod quota;
 pub mod request;
 pub mod server;
+pub mod settings;

@@ -2,11 +2,13 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{ArgAction, Parser, ValueEnum};
 use vcuda_scheduler::placement::{Packing, Policy};
 use vcuda_scheduler::server::{router, AppState};
+use vcuda_scheduler::settings::{parse_duration, ConfigMapRef};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Strategy {
@@ -21,7 +23,7 @@ enum Strategy {
 /// Serves POST <url-prefix>filter, <url-prefix>prioritize and <url-prefix>bind in the
 /// extender v1 JSON. Bind reserves the pod's GPUs on the Node (vcuda.io/reservations, written
 /// with the Node's resourceVersion), then creates the Binding with the vcuda.io/assignment
-/// annotation.
+/// annotation. With --quota-configmap, namespaces get node pools and per-model GPU quotas.
 #[derive(Debug, Parser)]
 #[command(name = "vcuda-scheduler", version)]
 struct Args {
@@ -47,6 +49,25 @@ struct Args {
     /// $KUBECONFIG / ~/.kube/config (kube-rs Client::try_default).
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
+    /// Namespace pools and GPU quotas from this ConfigMap, as NAMESPACE/NAME (e.g.
+    /// vcuda-system/vcuda-quotas). Each data key is a namespace (or _default), each value JSON:
+    /// {"pool": {"matchLabels": {"gpu-pool": "research"}}, "quota": {"A100": {"core": 300,
+    /// "memory": "160Gi"}}}. Re-read every 2 s, so edits apply without a restart. If the
+    /// ConfigMap is missing, every pod asking for vcuda resources is refused (fail closed).
+    /// Binds of namespaces with a quota record claims in its vcuda.io/quota-claims annotation
+    /// (needs get and patch on it, and list pods). Without the flag: no pools, no quotas.
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    quota_configmap: Option<ConfigMapRef>,
+    /// Reservations (vcuda.io/reservations on a Node) older than this are ignored by filter
+    /// and prioritize and dropped by the next bind to that node, so a pod that never started
+    /// cannot hold its GPUs forever. A number with a unit: 30s, 10m, 1h (bare number:
+    /// seconds).
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_ttl)]
+    reservation_ttl: Duration,
+}
+
+fn parse_ttl(s: &str) -> Result<Duration, String> {
+    parse_duration(s).map_err(|e| e.to_string())
 }
 
 async fn client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Client> {
@@ -85,15 +106,23 @@ async fn main() -> anyhow::Result<()> {
         ..Policy::default()
     };
     let client = client(args.kubeconfig.as_ref()).await?;
-    let app = router(
-        AppState::new(policy, args.domain.clone(), client),
-        &args.url_prefix,
-    );
+    let mut state = AppState::new(policy, args.domain.clone(), client)
+        .with_reservation_ttl(args.reservation_ttl);
+    if let Some(cm) = &args.quota_configmap {
+        state = state.with_quota_configmap(cm.clone());
+        if let Some(src) = &state.quota {
+            // read once now, so the log says at start whether it is there (fail closed if not)
+            src.snapshot(&state.client).await;
+        }
+    }
+    let app = router(state, &args.url_prefix);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}; choose another --listen", args.listen))?;
     let addr = listener.local_addr()?;
-    tracing::info!(%addr, policy = ?args.policy, domain = %args.domain, "vcuda-scheduler listening");
+    tracing::info!(%addr, policy = ?args.policy, domain = %args.domain,
+        quota_configmap = %args.quota_configmap.as_ref().map_or("-".to_string(), |c| c.to_string()),
+        reservation_ttl = ?args.reservation_ttl, "vcuda-scheduler listening");
     println!(
         "{}",
         serde_json::json!({"ready": true, "listen": addr.to_string()})

@@ -159,8 +159,17 @@ impl NodeView {
     }
 
     /// The view from a Node's annotations ([`INVENTORY_ANNOTATION`],
-    /// [`RESERVATIONS_ANNOTATION`]); the error is the reason the node is refused.
+    /// [`RESERVATIONS_ANNOTATION`]), every reservation counted; the error is the reason the
+    /// node is refused.
     pub fn from_annotations(annotations: &BTreeMap<String, String>) -> Result<NodeView, String> {
+        NodeView::from_annotations_at(annotations, Expiry::NEVER)
+    }
+
+    /// As [`NodeView::from_annotations`], ignoring reservations that `expiry` says are stale.
+    pub fn from_annotations_at(
+        annotations: &BTreeMap<String, String>,
+        expiry: Expiry,
+    ) -> Result<NodeView, String> {
         let inv = annotations.get(INVENTORY_ANNOTATION).ok_or_else(|| {
             format!("node has no {INVENTORY_ANNOTATION} annotation: vcuda-manager is not running on it or is too old; start or upgrade it")
         })?;
@@ -176,7 +185,33 @@ impl NodeView {
                 format!("node annotation {RESERVATIONS_ANNOTATION} is not valid JSON: {e}; remove it (binds rewrite it)")
             })?,
         };
-        Ok(NodeView::new(&inv, &res.pods))
+        let live: Vec<Reservation> = res.pods.into_iter().filter(|r| expiry.live(r)).collect();
+        Ok(NodeView::new(&inv, &live))
+    }
+}
+
+/// When reservations stop counting: one older than `ttl_ms` at `now_ms` (milliseconds since
+/// the Unix epoch) is stale. A reservation the manager never retired (a pod deleted before
+/// it started, a manager that is down) would otherwise block its GPUs forever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expiry {
+    /// Now, milliseconds since the Unix epoch.
+    pub now_ms: u64,
+    /// Age from which a reservation is ignored.
+    pub ttl_ms: u64,
+}
+
+impl Expiry {
+    /// Every reservation counts.
+    pub const NEVER: Expiry = Expiry {
+        now_ms: 0,
+        ttl_ms: u64::MAX,
+    };
+
+    /// Does `r` still count? A reservation stamped ahead of `now_ms` (another replica's
+    /// clock) counts.
+    pub fn live(&self, r: &Reservation) -> bool {
+        self.now_ms.saturating_sub(r.created_unix_ms) < self.ttl_ms
     }
 }
 

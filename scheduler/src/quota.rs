@@ -21,12 +21,23 @@
 //!
 //! Placement does not steer around models a namespace has no quota for: on a node with
 //! mixed models the quota check applies to the GPUs [`crate::placement::filter`] chose.
+//!
+//! **Usage** (what a namespace holds) is computed here from inputs the server collects:
+//! every pod of the namespace that is bound, not finished and carries a
+//! [`vcuda_cluster::ASSIGNMENT_ANNOTATION`] holds what its assignment says ([`pod_charges`],
+//! per GPU the larger of the app containers' sum and any one init container, as
+//! [`Choice::per_gpu`] reserves), plus the pending [`Claim`]s of binds in flight
+//! ([`CLAIMS_ANNOTATION`] on the ConfigMap, see `crate::admission`). [`prune_claims`] drops
+//! claims that are counted already, can never bind, or are older than the TTL;
+//! [`namespace_usage`] sums the rest; [`Quotas::check_quota`] decides.
 
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
-use vcuda_cluster::GpuShare;
+use vcuda_cluster::{Assignment, GpuShare, SCHEMA};
 
 use crate::placement::{Choice, NodeView};
 use crate::request::parse_integer_quantity;
@@ -35,13 +46,192 @@ use crate::request::parse_integer_quantity;
 /// names cannot contain `_`).
 pub const DEFAULT_KEY: &str = "_default";
 
+/// ConfigMap annotation holding the [`Claims`] of binds in flight (JSON), written by
+/// vcuda-scheduler with the ConfigMap's `resourceVersion` as precondition.
+pub const CLAIMS_ANNOTATION: &str = "vcuda.io/quota-claims";
+
 /// An amount of GPU resources: vcuda-core units and memory bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Amount {
     /// vcuda-core units (100 = one whole GPU).
     pub core: u64,
     /// Bytes.
     pub memory_bytes: u64,
+}
+
+impl Amount {
+    fn add(&mut self, other: Amount) {
+        self.core = self.core.saturating_add(other.core);
+        self.memory_bytes = self.memory_bytes.saturating_add(other.memory_bytes);
+    }
+}
+
+/// A bind in flight: the quota a pod takes between the scheduler's check and the Binding
+/// (after the Binding the pod's assignment counts instead).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Claim {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub name: String,
+    /// The pod's UID.
+    pub uid: String,
+    /// Per GPU model (the inventory's model name), what the pod takes.
+    pub models: BTreeMap<String, Amount>,
+    /// When the claim was written, milliseconds since the Unix epoch (the writer's clock).
+    pub created_unix_ms: u64,
+}
+
+/// The value of [`CLAIMS_ANNOTATION`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Claims {
+    /// [`SCHEMA`] of the writer.
+    pub schema: u32,
+    /// The claims, oldest first.
+    pub claims: Vec<Claim>,
+}
+
+impl Default for Claims {
+    fn default() -> Self {
+        Claims {
+            schema: SCHEMA,
+            claims: Vec::new(),
+        }
+    }
+}
+
+/// A ConfigMap's [`CLAIMS_ANNOTATION`] (absent: none). A malformed value is an error, since
+/// ignoring it would forget binds in flight.
+pub fn parse_claims(value: Option<&str>) -> Result<Claims, String> {
+    match value {
+        None => Ok(Claims::default()),
+        Some(v) => serde_json::from_str(v).map_err(|e| {
+            format!("annotation {CLAIMS_ANNOTATION} is not valid JSON: {e}; delete the annotation (binds in flight are re-checked) or restore it")
+        }),
+    }
+}
+
+/// Where a pod of the namespace stands for the quota.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodQuotaState {
+    /// Not bound and not finished: a claim for it may still turn into a Binding.
+    Pending,
+    /// Bound, not finished, with an assignment: it holds this per GPU model.
+    Holding(BTreeMap<String, Amount>),
+    /// Finished, or bound without a vcuda assignment: holds nothing and never will.
+    Done,
+}
+
+/// A pod of the namespace as the quota sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodUse {
+    /// The pod's UID.
+    pub uid: String,
+    /// Where it stands.
+    pub state: PodQuotaState,
+}
+
+/// What an assigned pod holds per GPU model: per GPU, the larger of the app containers' sum
+/// and any single init container (core and memory separately, as
+/// [`Choice::per_gpu`] reserves), then summed per model. `init_containers` names the pod's
+/// init containers; `model_of` maps a GPU UUID to its model. GPUs whose model is unknown are
+/// returned apart (the caller decides; see the server).
+pub fn pod_charges(
+    assignment: &Assignment,
+    init_containers: &BTreeSet<String>,
+    model_of: impl Fn(&str) -> Option<String>,
+) -> (BTreeMap<String, Amount>, Vec<String>) {
+    let mut app: BTreeMap<&str, Amount> = BTreeMap::new();
+    let mut init: BTreeMap<&str, Amount> = BTreeMap::new();
+    for (container, shares) in &assignment.containers {
+        for s in shares {
+            let a = Amount {
+                core: u64::from(s.core_percent),
+                memory_bytes: s.memory_bytes,
+            };
+            if init_containers.contains(container) {
+                let e = init.entry(&s.uuid).or_default();
+                e.core = e.core.max(a.core);
+                e.memory_bytes = e.memory_bytes.max(a.memory_bytes);
+            } else {
+                app.entry(&s.uuid).or_default().add(a);
+            }
+        }
+    }
+    for (uuid, i) in init {
+        let e = app.entry(uuid).or_default();
+        e.core = e.core.max(i.core);
+        e.memory_bytes = e.memory_bytes.max(i.memory_bytes);
+    }
+    let mut out: BTreeMap<String, Amount> = BTreeMap::new();
+    let mut unknown = Vec::new();
+    for (uuid, a) in app {
+        match model_of(uuid) {
+            Some(model) => out.entry(model).or_default().add(a),
+            None => unknown.push(uuid.to_string()),
+        }
+    }
+    (out, unknown)
+}
+
+/// The claims worth keeping: a claim of `namespace` is dropped when its pod is counted from
+/// the pod list already ([`PodQuotaState::Holding`]), can never bind (finished, bound
+/// otherwise, or gone: a re-created pod has a new UID), and any claim is dropped when it is
+/// `ttl_ms` old or older. `pods` must have been listed **after** the claims were read (see
+/// `crate::admission`), so a claim dropped as "gone" cannot belong to a pod bound later.
+pub fn prune_claims(
+    claims: Vec<Claim>,
+    namespace: &str,
+    pods: &[PodUse],
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Vec<Claim> {
+    claims
+        .into_iter()
+        .filter(|c| now_ms.saturating_sub(c.created_unix_ms) < ttl_ms)
+        .filter(|c| {
+            c.namespace != namespace
+                || pods
+                    .iter()
+                    .any(|p| p.uid == c.uid && p.state == PodQuotaState::Pending)
+        })
+        .collect()
+}
+
+/// What `namespace` holds per GPU model: its [`PodQuotaState::Holding`] pods plus its claims
+/// whose pod is still pending, leaving out the pod `except_uid` (the one being placed: a
+/// retried bind replaces its own claim). Give it pruned claims ([`prune_claims`]); a claim
+/// whose pod is counted already is never counted twice either way.
+pub fn namespace_usage(
+    pods: &[PodUse],
+    claims: &[Claim],
+    namespace: &str,
+    except_uid: &str,
+) -> BTreeMap<String, Amount> {
+    let mut out: BTreeMap<String, Amount> = BTreeMap::new();
+    for p in pods {
+        if let PodQuotaState::Holding(models) = &p.state {
+            if p.uid != except_uid {
+                for (m, a) in models {
+                    out.entry(m.clone()).or_default().add(*a);
+                }
+            }
+        }
+    }
+    for c in claims {
+        let pending = pods
+            .iter()
+            .any(|p| p.uid == c.uid && p.state == PodQuotaState::Pending);
+        if c.namespace == namespace && c.uid != except_uid && pending {
+            for (m, a) in &c.models {
+                out.entry(m.clone()).or_default().add(*a);
+            }
+        }
+    }
+    out
 }
 
 /// The most a namespace may hold of one model; `None` is unlimited.
@@ -87,17 +277,19 @@ pub enum QuotaConfigError {
 /// Why a namespace may not place the pod on a node.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum QuotaRefusal {
-    #[error("namespace {namespace} may use only nodes labelled {label}={want} (its GPU pool in the quota ConfigMap); this node has {label}={}", have.as_deref().unwrap_or("<none>"))]
+    #[error("namespace {namespace} may use only nodes labelled {label}={want}; this node has {label}={}", have.as_deref().unwrap_or("<none>"))]
     NotInPool {
         namespace: String,
         label: String,
         want: String,
         have: Option<String>,
     },
-    #[error("namespace {namespace} has no GPU quota for model {model}; ask an administrator to add one to the quota ConfigMap")]
+    #[error(
+        "namespace {namespace} has no GPU quota for model {model}; ask an administrator to add one"
+    )]
     NoQuotaForModel { namespace: String, model: String },
-    #[error("namespace {namespace}: {} quota for {key} is {}, {} in use, this pod asks {}; free some or ask for a larger quota",
-        resource.name(), resource.show(*limit), resource.show(*used), resource.show(*asked))]
+    #[error("namespace {namespace}: {key} {} would be {} of quota {} (holding {}, asking {}); wait for the namespace's pods to finish or ask for a larger quota",
+        resource.name(), resource.show(used.saturating_add(*asked)), resource.show(*limit), resource.show(*used), resource.show(*asked))]
     OverQuota {
         namespace: String,
         key: String,
@@ -106,6 +298,62 @@ pub enum QuotaRefusal {
         used: u64,
         asked: u64,
     },
+}
+
+impl QuotaRefusal {
+    /// True when no node can help while the configuration stays as it is: the node is
+    /// outside the pool, the model has no quota, or the pod alone asks more than the quota.
+    /// (Over quota because of other pods is resolvable: they may finish or be preempted.)
+    pub fn unresolvable(&self) -> bool {
+        match self {
+            QuotaRefusal::NotInPool { .. } | QuotaRefusal::NoQuotaForModel { .. } => true,
+            QuotaRefusal::OverQuota { limit, asked, .. } => asked > limit,
+        }
+    }
+}
+
+/// A quota ConfigMap read key by key: an unreadable entry affects only the namespaces it
+/// governs (itself, or every unlisted namespace for [`DEFAULT_KEY`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QuotaConfig {
+    /// The readable entries.
+    pub quotas: Quotas,
+    /// The unreadable ones, by key.
+    pub errors: BTreeMap<String, QuotaConfigError>,
+}
+
+impl QuotaConfig {
+    /// Read every key of the ConfigMap's `data`, keeping the errors per key.
+    pub fn from_config_map(data: &BTreeMap<String, String>) -> QuotaConfig {
+        let mut out = QuotaConfig::default();
+        for (key, value) in data {
+            match parse_rule(key, value) {
+                Ok(rule) if key == DEFAULT_KEY => out.quotas.default = Some(rule),
+                Ok(rule) => {
+                    out.quotas.namespaces.insert(key.clone(), rule);
+                }
+                Err(e) => {
+                    out.errors.insert(key.clone(), e);
+                }
+            }
+        }
+        out
+    }
+
+    /// The rule governing `namespace` (`None`: unrestricted), or the error of the entry that
+    /// would govern it.
+    pub fn rule(&self, namespace: &str) -> Result<Option<&NamespaceRule>, &QuotaConfigError> {
+        if let Some(e) = self.errors.get(namespace) {
+            return Err(e);
+        }
+        if let Some(r) = self.quotas.namespaces.get(namespace) {
+            return Ok(Some(r));
+        }
+        if let Some(e) = self.errors.get(DEFAULT_KEY) {
+            return Err(e);
+        }
+        Ok(self.quotas.default.as_ref())
+    }
 }
 
 /// The resource a quota limits.
@@ -157,62 +405,68 @@ struct RawLimit {
     memory: Option<serde_json::Value>,
 }
 
+/// One ConfigMap entry.
+fn parse_rule(key: &str, value: &str) -> Result<NamespaceRule, QuotaConfigError> {
+    let json_err = |e: serde_json::Error| QuotaConfigError::Json {
+        key: key.to_string(),
+        error: e.to_string(),
+    };
+    // an object, not anything serde would read as a struct (`[]` would be an empty rule)
+    let object: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(value).map_err(json_err)?;
+    let raw: RawRule =
+        serde_json::from_value(serde_json::Value::Object(object)).map_err(json_err)?;
+    let quota = match raw.quota {
+        None => None,
+        Some(models) => {
+            let mut out = BTreeMap::new();
+            for (model, l) in models {
+                let memory_bytes = match l.memory {
+                    None => None,
+                    Some(v) => {
+                        let text = match &v {
+                            serde_json::Value::String(s) => s.clone(),
+                            other => other.to_string(),
+                        };
+                        Some(parse_integer_quantity(&text).ok_or_else(|| {
+                            QuotaConfigError::Memory {
+                                key: key.to_string(),
+                                model: model.clone(),
+                                value: text.clone(),
+                            }
+                        })?)
+                    }
+                };
+                out.insert(
+                    model,
+                    Limit {
+                        core: l.core,
+                        memory_bytes,
+                    },
+                );
+            }
+            Some(out)
+        }
+    };
+    Ok(NamespaceRule {
+        pool: raw.pool.map(|p| p.match_labels).unwrap_or_default(),
+        quota,
+    })
+}
+
 fn gib(b: u64) -> String {
     format!("{:.1} GiB", b as f64 / f64::from(1u32 << 30))
 }
 
 impl Quotas {
-    /// Read the ConfigMap's `data`.
+    /// Read the ConfigMap's `data`; the first unreadable entry is an error (see
+    /// [`QuotaConfig`] to keep the readable ones).
     pub fn from_config_map(data: &BTreeMap<String, String>) -> Result<Quotas, QuotaConfigError> {
-        let mut q = Quotas::default();
-        for (key, value) in data {
-            let raw: RawRule = serde_json::from_str(value).map_err(|e| QuotaConfigError::Json {
-                key: key.clone(),
-                error: e.to_string(),
-            })?;
-            let quota = match raw.quota {
-                None => None,
-                Some(models) => {
-                    let mut out = BTreeMap::new();
-                    for (model, l) in models {
-                        let memory_bytes = match l.memory {
-                            None => None,
-                            Some(v) => {
-                                let text = match &v {
-                                    serde_json::Value::String(s) => s.clone(),
-                                    other => other.to_string(),
-                                };
-                                Some(parse_integer_quantity(&text).ok_or_else(|| {
-                                    QuotaConfigError::Memory {
-                                        key: key.clone(),
-                                        model: model.clone(),
-                                        value: text.clone(),
-                                    }
-                                })?)
-                            }
-                        };
-                        out.insert(
-                            model,
-                            Limit {
-                                core: l.core,
-                                memory_bytes,
-                            },
-                        );
-                    }
-                    Some(out)
-                }
-            };
-            let rule = NamespaceRule {
-                pool: raw.pool.map(|p| p.match_labels).unwrap_or_default(),
-                quota,
-            };
-            if key == DEFAULT_KEY {
-                q.default = Some(rule);
-            } else {
-                q.namespaces.insert(key.clone(), rule);
-            }
+        let cfg = QuotaConfig::from_config_map(data);
+        match cfg.errors.into_values().next() {
+            Some(e) => Err(e),
+            None => Ok(cfg.quotas),
         }
-        Ok(q)
     }
 
     /// The rule for `namespace`, if any.
@@ -221,7 +475,7 @@ impl Quotas {
     }
 
     /// May `namespace` place `charges` (per GPU model) on a node with `node_labels`, holding
-    /// `usage` (per GPU model) already?
+    /// `usage` (per GPU model) already? [`NamespaceRule::check_pool`] then [`NamespaceRule::check_quota`].
     pub fn check(
         &self,
         namespace: &str,
@@ -232,7 +486,19 @@ impl Quotas {
         let Some(rule) = self.rule(namespace) else {
             return Ok(());
         };
-        for (label, want) in &rule.pool {
+        rule.check_pool(namespace, node_labels)?;
+        rule.check_quota(namespace, charges, usage)
+    }
+}
+
+impl NamespaceRule {
+    /// Does a node with `node_labels` belong to the namespace's pool?
+    pub fn check_pool(
+        &self,
+        namespace: &str,
+        node_labels: &BTreeMap<String, String>,
+    ) -> Result<(), QuotaRefusal> {
+        for (label, want) in &self.pool {
             let have = node_labels.get(label);
             if have != Some(want) {
                 return Err(QuotaRefusal::NotInPool {
@@ -243,26 +509,33 @@ impl Quotas {
                 });
             }
         }
-        let Some(quota) = &rule.quota else {
+        Ok(())
+    }
+
+    /// May `namespace`, holding `usage` per GPU model, take `charges` more? Usage and charges
+    /// are summed per quota key (several models may share one key).
+    pub fn check_quota(
+        &self,
+        namespace: &str,
+        charges: &[(String, Amount)],
+        usage: &BTreeMap<String, Amount>,
+    ) -> Result<(), QuotaRefusal> {
+        let Some(quota) = &self.quota else {
             return Ok(());
         };
-        // charges and usage summed per quota key
         let mut asked: BTreeMap<&str, Amount> = BTreeMap::new();
         for (model, a) in charges {
             let key = key_for(quota, model).ok_or_else(|| QuotaRefusal::NoQuotaForModel {
                 namespace: namespace.to_string(),
                 model: model.clone(),
             })?;
-            let e = asked.entry(key).or_default();
-            e.core += a.core;
-            e.memory_bytes += a.memory_bytes;
+            asked.entry(key).or_default().add(*a);
         }
         for (key, a) in asked {
             let mut used = Amount::default();
             for (model, u) in usage {
                 if key_for(quota, model) == Some(key) {
-                    used.core += u.core;
-                    used.memory_bytes += u.memory_bytes;
+                    used.add(*u);
                 }
             }
             let limit = quota[key];
@@ -385,7 +658,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "namespace ml may use only nodes labelled gpu-pool=research (its GPU pool in the quota ConfigMap); this node has gpu-pool=<none>"
+            "namespace ml may use only nodes labelled gpu-pool=research; this node has gpu-pool=<none>"
         );
         assert!(q
             .check(
@@ -433,14 +706,14 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "namespace ml: vcuda-core quota for A100 is 300, 250 in use, this pod asks 60; free some or ask for a larger quota"
+            "namespace ml: A100 vcuda-core would be 310 of quota 300 (holding 250, asking 60); wait for the namespace's pods to finish or ask for a larger quota"
         );
         let e = q
             .check("ml", &node, &[(a100.clone(), amt(10, 61))], &usage)
             .unwrap_err();
         assert!(
             e.to_string()
-                .contains("memory quota for A100 is 160.0 GiB, 100.0 GiB in use"),
+                .contains("A100 memory would be 161.0 GiB of quota 160.0 GiB (holding 100.0 GiB, asking 61.0 GiB)"),
             "{e}"
         );
         // the longest key wins: the 80GB model has its own, smaller quota; usage of the
@@ -528,5 +801,210 @@ mod tests {
         };
         let c = filter(&v, &req, &Policy::default()).unwrap();
         assert_eq!(charges(&v, &c), vec![("A100".to_string(), amt(60, 8))]);
+    }
+
+    #[test]
+    fn an_unreadable_entry_affects_only_the_namespaces_it_governs() {
+        let data = BTreeMap::from([
+            (
+                "ml".to_string(),
+                r#"{"quota": {"A100": {"core": 100}}}"#.to_string(),
+            ),
+            ("web".to_string(), "{oops".to_string()),
+        ]);
+        let cfg = QuotaConfig::from_config_map(&data);
+        assert!(cfg.rule("ml").unwrap().is_some());
+        let e = cfg.rule("web").unwrap_err().to_string();
+        assert!(
+            e.starts_with("quota ConfigMap key web: not the expected JSON"),
+            "{e}"
+        );
+        assert_eq!(cfg.rule("other").unwrap(), None, "unlisted, no default");
+        assert!(Quotas::from_config_map(&data).is_err(), "strict reading");
+        // a broken default governs every unlisted namespace
+        let data = BTreeMap::from([(DEFAULT_KEY.to_string(), "[]".to_string())]);
+        let cfg = QuotaConfig::from_config_map(&data);
+        assert!(cfg
+            .rule("other")
+            .unwrap_err()
+            .to_string()
+            .contains("_default"));
+    }
+
+    #[test]
+    fn refusals_say_whether_any_node_could_help() {
+        let q = config();
+        let node = labels(&[("gpu-pool", "research")]);
+        let a100 = "NVIDIA A100-SXM4-40GB".to_string();
+        let usage = BTreeMap::from([(a100.clone(), amt(250, 100))]);
+        let busy = q
+            .check("ml", &node, &[(a100.clone(), amt(60, 1))], &usage)
+            .unwrap_err();
+        assert!(!busy.unresolvable(), "other pods may finish");
+        let never = q
+            .check("ml", &node, &[(a100, amt(400, 1))], &BTreeMap::new())
+            .unwrap_err();
+        assert!(never.unresolvable(), "the pod alone is over the quota");
+        let pool = q
+            .check("ml", &labels(&[]), &[], &BTreeMap::new())
+            .unwrap_err();
+        assert!(pool.unresolvable());
+    }
+
+    fn share(uuid: &str, core: u32, gib: u64) -> GpuShare {
+        GpuShare {
+            uuid: uuid.into(),
+            core_percent: core,
+            memory_bytes: gib * GIB,
+        }
+    }
+
+    #[test]
+    fn an_assignment_charges_per_model_with_init_containers_as_the_maximum() {
+        let a = Assignment {
+            schema: SCHEMA,
+            containers: BTreeMap::from([
+                (
+                    "a".to_string(),
+                    vec![share("G0", 30, 4), share("G1", 30, 4)],
+                ),
+                ("b".to_string(), vec![share("G0", 20, 2)]),
+                // runs alone before a and b: per GPU the larger counts
+                (
+                    "init".to_string(),
+                    vec![share("G0", 70, 1), share("T0", 100, 16)],
+                ),
+                ("ghost".to_string(), vec![share("G9", 10, 1)]),
+            ]),
+        };
+        let inits = BTreeSet::from(["init".to_string()]);
+        let model = |u: &str| match u {
+            "G0" | "G1" => Some("A100".to_string()),
+            "T0" => Some("T4".to_string()),
+            _ => None,
+        };
+        let (by_model, unknown) = pod_charges(&a, &inits, model);
+        // G0: max(30+20, 70) = 70 core, max(4+2, 1) = 6 GiB; G1: 30, 4
+        assert_eq!(by_model["A100"], amt(100, 10));
+        assert_eq!(by_model["T4"], amt(100, 16));
+        assert_eq!(unknown, vec!["G9".to_string()]);
+    }
+
+    fn claim(ns: &str, uid: &str, core: u64, at: u64) -> Claim {
+        Claim {
+            namespace: ns.into(),
+            name: format!("pod-{uid}"),
+            uid: uid.into(),
+            models: BTreeMap::from([("A100".to_string(), amt(core, 1))]),
+            created_unix_ms: at,
+        }
+    }
+
+    fn pod(uid: &str, state: PodQuotaState) -> PodUse {
+        PodUse {
+            uid: uid.into(),
+            state,
+        }
+    }
+
+    #[test]
+    fn claims_are_pruned_once_counted_impossible_or_old() {
+        let holding = PodQuotaState::Holding(BTreeMap::from([("A100".to_string(), amt(50, 1))]));
+        let pods = vec![
+            pod("pending", PodQuotaState::Pending),
+            pod("bound", holding),
+            pod("done", PodQuotaState::Done),
+        ];
+        let claims = vec![
+            claim("ml", "pending", 10, 1_000),
+            claim("ml", "bound", 50, 1_000), // counted from the pod list
+            claim("ml", "done", 10, 1_000),  // finished: never binds
+            claim("ml", "gone", 10, 1_000),  // deleted: never binds
+            claim("ml", "pending", 10, 0),   // too old (a second claim of the pod)
+            claim("web", "other", 10, 1_000), // another namespace: only the TTL applies
+            claim("web", "other2", 10, 0),
+        ];
+        let kept = prune_claims(claims, "ml", &pods, 60_500, 60_000);
+        let ids: Vec<_> = kept
+            .iter()
+            .map(|c| (c.namespace.as_str(), c.uid.as_str()))
+            .collect();
+        assert_eq!(ids, vec![("ml", "pending"), ("web", "other")]);
+        // a claim written by a clock ahead of ours is young, not negative
+        assert_eq!(
+            prune_claims(
+                vec![claim("web", "x", 1, 90_000)],
+                "ml",
+                &pods,
+                60_500,
+                60_000
+            )
+            .len(),
+            1
+        );
+    }
+
+    #[test]
+    fn usage_is_holding_pods_plus_pending_claims_never_twice() {
+        let holding = PodQuotaState::Holding(BTreeMap::from([
+            ("A100".to_string(), amt(100, 40)),
+            ("T4".to_string(), amt(50, 8)),
+        ]));
+        let pods = vec![
+            pod("p1", holding.clone()),
+            pod("p2", holding),
+            pod("wait", PodQuotaState::Pending),
+            pod("me", PodQuotaState::Pending),
+        ];
+        let claims = vec![
+            claim("ml", "wait", 30, 0),
+            claim("ml", "p1", 100, 0), // p1 bound since: counted once, from its assignment
+            claim("ml", "me", 70, 0),  // the pod being placed: its own claim is replaced
+            claim("web", "wait", 5, 0),
+        ];
+        let u = namespace_usage(&pods, &claims, "ml", "me");
+        assert_eq!(
+            u["A100"],
+            Amount {
+                core: 230,
+                memory_bytes: 81 * GIB
+            }
+        );
+        assert_eq!(u["T4"], amt(100, 16));
+        // the decision: 230 held + 70 asked = 300 fits the A100 quota of 300; 71 does not
+        let q = config();
+        let rule = q.rule("ml").unwrap();
+        assert!(rule
+            .check_quota("ml", &[("A100".into(), amt(70, 1))], &u)
+            .is_ok());
+        let e = rule
+            .check_quota("ml", &[("A100".into(), amt(71, 1))], &u)
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("would be 301 of quota 300 (holding 230, asking 71)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn claims_json_is_pinned_and_malformed_claims_are_an_error() {
+        let c = Claims {
+            schema: SCHEMA,
+            claims: vec![claim("ml", "u1", 50, 1_700_000_000_000)],
+        };
+        let j = serde_json::to_string(&c).unwrap();
+        assert_eq!(
+            j,
+            r#"{"schema":1,"claims":[{"namespace":"ml","name":"pod-u1","uid":"u1","models":{"A100":{"core":50,"memoryBytes":1073741824}},"createdUnixMs":1700000000000}]}"#
+        );
+        assert_eq!(parse_claims(Some(&j)).unwrap(), c);
+        assert_eq!(parse_claims(None).unwrap(), Claims::default());
+        let e = parse_claims(Some("{")).unwrap_err();
+        assert!(
+            e.contains("vcuda.io/quota-claims is not valid JSON")
+                && e.contains("delete the annotation"),
+            "{e}"
+        );
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! Freshness: with `nodeCacheCapable: true` the nodes are listed from the API server and the
 //! list is reused for at most [`NODE_CACHE_TTL`]; filter and prioritize may therefore see
-//! annotations up to that old. Bind never uses the cache: it re-reads the Node and writes
+//! labels and annotations up to that old (the quota ConfigMap likewise, see
+//! [`crate::admission`]). Bind never uses the cache: it re-reads the Node and writes
 //! with its `resourceVersion`, so a stale filter can only cost a refused bind, never an
 //! over-commit.
 
@@ -23,19 +24,34 @@ use kube::Api;
 use serde::de::DeserializeOwned;
 use vcuda_cluster::INVENTORY_ANNOTATION;
 
+use crate::admission::{self, AdmissionError, Gate, QuotaSource};
 use crate::bind;
 use crate::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, HostPriority,
     HostPriorityList, Node, NodeList, Pod,
 };
-use crate::placement::{self, NodeView, Policy};
+use crate::placement::{self, Choice, Expiry, NodeView, Policy};
+use crate::quota::{self, Amount};
 use crate::request::{pod_request, PodRequest};
+use crate::settings::ConfigMapRef;
 
 /// How long a node list fetched for `nodeCacheCapable` requests is reused.
 pub const NODE_CACHE_TTL: Duration = Duration::from_secs(2);
 
-/// Node name → annotations.
-type NodeAnnotations = Arc<HashMap<String, BTreeMap<String, String>>>;
+/// Reservations older than this are ignored unless `--reservation-ttl` says otherwise.
+pub const DEFAULT_RESERVATION_TTL: Duration = Duration::from_secs(600);
+
+/// What the scheduler reads of a Node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeMeta {
+    /// `metadata.labels` (pools).
+    pub labels: BTreeMap<String, String>,
+    /// `metadata.annotations` (inventory, reservations).
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// Node name → labels and annotations.
+pub type NodeMetas = Arc<HashMap<String, NodeMeta>>;
 
 /// What the handlers share.
 #[derive(Clone)]
@@ -44,8 +60,12 @@ pub struct AppState {
     /// Resource domain (`tencent.com` → `tencent.com/vcuda-core`).
     pub domain: String,
     pub client: kube::Client,
-    /// Node name → annotations, and when they were listed.
-    cache: Arc<Mutex<Option<(Instant, NodeAnnotations)>>>,
+    /// `--quota-configmap`: namespace pools and quotas (`None`: none).
+    pub quota: Option<Arc<QuotaSource>>,
+    /// `--reservation-ttl`: reservations older than this are ignored and dropped.
+    pub reservation_ttl: Duration,
+    /// Node name → labels and annotations, and when they were listed.
+    cache: Arc<Mutex<Option<(Instant, NodeMetas)>>>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -53,25 +73,53 @@ impl std::fmt::Debug for AppState {
         f.debug_struct("AppState")
             .field("policy", &self.policy)
             .field("domain", &self.domain)
+            .field("quota", &self.quota.as_ref().map(|q| q.cm.to_string()))
+            .field("reservation_ttl", &self.reservation_ttl)
             .finish_non_exhaustive()
     }
 }
 
 impl AppState {
+    /// No quotas, reservations expire after [`DEFAULT_RESERVATION_TTL`].
     pub fn new(policy: Policy, domain: String, client: kube::Client) -> AppState {
         AppState {
             policy,
             domain,
             client,
+            quota: None,
+            reservation_ttl: DEFAULT_RESERVATION_TTL,
             cache: Arc::new(Mutex::new(None)),
         }
     }
 
-    /// Annotations of every node, from a list at most [`NODE_CACHE_TTL`] old.
-    async fn node_annotations(&self) -> Result<NodeAnnotations, kube::Error> {
-        if let Some((at, map)) = self.cache.lock().map_or(None, |g| g.clone()) {
-            if at.elapsed() < NODE_CACHE_TTL {
-                return Ok(map);
+    /// Enforce the pools and quotas of this ConfigMap.
+    pub fn with_quota_configmap(mut self, cm: ConfigMapRef) -> AppState {
+        self.quota = Some(Arc::new(QuotaSource::new(cm)));
+        self
+    }
+
+    /// Ignore (and drop on bind) reservations older than `ttl`.
+    pub fn with_reservation_ttl(mut self, ttl: Duration) -> AppState {
+        self.reservation_ttl = ttl;
+        self
+    }
+
+    /// Which reservations count now.
+    pub fn expiry(&self) -> Expiry {
+        Expiry {
+            now_ms: admission::now_ms(),
+            ttl_ms: u64::try_from(self.reservation_ttl.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Labels and annotations of every node, from a list at most [`NODE_CACHE_TTL`] old
+    /// (`fresh`: listed now).
+    pub async fn node_metas(&self, fresh: bool) -> Result<NodeMetas, kube::Error> {
+        if !fresh {
+            if let Some((at, map)) = self.cache.lock().map_or(None, |g| g.clone()) {
+                if at.elapsed() < NODE_CACHE_TTL {
+                    return Ok(map);
+                }
             }
         }
         let list = Api::<KNode>::all(self.client.clone())
@@ -82,7 +130,13 @@ impl AppState {
             .into_iter()
             .filter_map(|n| {
                 let name = n.metadata.name?;
-                Some((name, n.metadata.annotations.unwrap_or_default()))
+                Some((
+                    name,
+                    NodeMeta {
+                        labels: n.metadata.labels.unwrap_or_default(),
+                        annotations: n.metadata.annotations.unwrap_or_default(),
+                    },
+                ))
             })
             .collect();
         let map = Arc::new(map);
@@ -116,20 +170,25 @@ fn parse<T: DeserializeOwned>(verb: &str, body: &Bytes) -> Result<T, Box<Respons
     })
 }
 
-/// Why a node is refused before placement, or its view.
-pub fn node_view(name: &str, annotations: &BTreeMap<String, String>) -> Result<NodeView, String> {
+/// Why a node is refused before placement, or its view (reservations that `expiry` calls
+/// stale left out).
+pub fn node_view(
+    name: &str,
+    annotations: &BTreeMap<String, String>,
+    expiry: Expiry,
+) -> Result<NodeView, String> {
     if !annotations.contains_key(INVENTORY_ANNOTATION) {
         return Err(format!(
             "node {name} publishes no vcuda GPU inventory ({INVENTORY_ANNOTATION}): is vcuda-manager running there?"
         ));
     }
-    NodeView::from_annotations(annotations).map_err(|e| format!("node {name}: {e}"))
+    NodeView::from_annotations_at(annotations, expiry).map_err(|e| format!("node {name}: {e}"))
 }
 
-/// The nodes of a request: (name, annotations, the Node object when it was sent).
+/// The nodes of a request: the Node objects sent, or the names with the cached metadata.
 enum Nodes {
     Objects(Vec<Node>),
-    Names(Vec<String>, NodeAnnotations),
+    Names(Vec<String>, NodeMetas),
 }
 
 async fn nodes_of(state: &AppState, args: &ExtenderArgs) -> Result<Nodes, String> {
@@ -137,10 +196,10 @@ async fn nodes_of(state: &AppState, args: &ExtenderArgs) -> Result<Nodes, String
         return Ok(Nodes::Objects(list.items.clone()));
     }
     let names = args.node_names.clone().unwrap_or_default();
-    let ann = state.node_annotations().await.map_err(|e| {
+    let metas = state.node_metas(false).await.map_err(|e| {
         format!("cannot list nodes from the API server: {e}; check the scheduler's RBAC (list nodes) and connectivity")
     })?;
-    Ok(Nodes::Names(names, ann))
+    Ok(Nodes::Names(names, metas))
 }
 
 /// The pod's request, or the reason every node fails.
@@ -150,16 +209,52 @@ fn request_of(state: &AppState, pod: Option<&Pod>) -> Result<PodRequest, String>
         .map_err(|e| format!("pod {}/{}: {e}", pod.metadata.namespace, pod.metadata.name))
 }
 
-/// Filter the pod's request against one node.
+/// Filter the pod's request against one node: the view and the placement.
 fn check(
     state: &AppState,
     req: &PodRequest,
     name: &str,
     annotations: &BTreeMap<String, String>,
-) -> Result<NodeView, String> {
-    let view = node_view(name, annotations)?;
-    placement::filter(&view, req, &state.policy).map_err(|e| format!("node {name}: {e}"))?;
-    Ok(view)
+    expiry: Expiry,
+) -> Result<(NodeView, Choice), String> {
+    let view = node_view(name, annotations, expiry)?;
+    let choice =
+        placement::filter(&view, req, &state.policy).map_err(|e| format!("node {name}: {e}"))?;
+    Ok((view, choice))
+}
+
+/// What the namespace's pool and quota say before any node is looked at.
+enum Admit {
+    /// No rule (no `--quota-configmap`, the namespace is unrestricted, or the pod asks for
+    /// no vcuda resource).
+    Open,
+    /// Every node fails with this reason; `true`: no node can help.
+    Refused(String, bool),
+    /// Check each node against the pool and, with `usage`, the quota.
+    Rule(Gate, Option<BTreeMap<String, Amount>>),
+}
+
+/// The pod's namespace rule; with `usage`, also what the namespace holds now.
+async fn admit(state: &AppState, req: &PodRequest, pod: Option<&Pod>, usage: bool) -> Admit {
+    let (Some(src), Some(pod)) = (&state.quota, pod) else {
+        return Admit::Open;
+    };
+    if req.is_empty() {
+        return Admit::Open;
+    }
+    let snap = src.snapshot(&state.client).await;
+    let gate = match src.gate(&snap, &pod.metadata.namespace) {
+        Ok(Some(g)) => g,
+        Ok(None) => return Admit::Open,
+        Err(e) => return Admit::Refused(e.to_string(), e.unresolvable()),
+    };
+    if !usage || gate.rule.quota.is_none() {
+        return Admit::Rule(gate, None);
+    }
+    match admission::filter_usage(state, &snap, &gate, &pod.metadata.uid).await {
+        Ok(u) => Admit::Rule(gate, Some(u)),
+        Err(e) => Admit::Refused(e.to_string(), e.unresolvable()),
+    }
 }
 
 async fn filter_handler(State(state): State<AppState>, body: Bytes) -> Response {
@@ -181,12 +276,31 @@ pub async fn filter(state: &AppState, args: &ExtenderArgs) -> ExtenderFilterResu
             return out;
         }
     };
-    let verdict = |name: &str, ann: &BTreeMap<String, String>| match &req {
-        Err(e) => Err((e.clone(), true)),
-        Ok(r) if r.is_empty() => Ok(()),
-        Ok(r) => check(state, r, name, ann)
-            .map(|_| ())
-            .map_err(|e| (e, false)),
+    let admit = match &req {
+        Ok(r) => admit(state, r, args.pod.as_ref(), true).await,
+        Err(_) => Admit::Open,
+    };
+    let expiry = state.expiry();
+    // Ok, or (reason, no node can help)
+    let verdict = |name: &str, meta: &NodeMeta| -> Result<(), (String, bool)> {
+        let r = match &req {
+            Err(e) => return Err((e.clone(), true)),
+            Ok(r) if r.is_empty() => return Ok(()),
+            Ok(r) => r,
+        };
+        let refused = |e: AdmissionError| (format!("node {name}: {e}"), e.unresolvable());
+        match &admit {
+            Admit::Refused(why, unresolvable) => return Err((why.clone(), *unresolvable)),
+            Admit::Rule(gate, _) => gate.check_pool(&meta.labels).map_err(refused)?,
+            Admit::Open => {}
+        }
+        let (view, choice) =
+            check(state, r, name, &meta.annotations, expiry).map_err(|e| (e, false))?;
+        if let Admit::Rule(gate, Some(usage)) = &admit {
+            gate.check_quota(&quota::charges(&view, &choice), usage)
+                .map_err(refused)?;
+        }
+        Ok(())
     };
     let mut fail = |name: &str, (why, unresolvable): (String, bool)| {
         if unresolvable {
@@ -200,7 +314,11 @@ pub async fn filter(state: &AppState, args: &ExtenderArgs) -> ExtenderFilterResu
         Nodes::Objects(items) => {
             let mut pass = Vec::new();
             for n in items {
-                match verdict(&n.metadata.name, &n.metadata.annotations) {
+                let meta = NodeMeta {
+                    labels: n.metadata.labels.clone(),
+                    annotations: n.metadata.annotations.clone(),
+                };
+                match verdict(&n.metadata.name, &meta) {
                     Ok(()) => pass.push(n),
                     Err(e) => fail(&n.metadata.name, e),
                 }
@@ -210,12 +328,12 @@ pub async fn filter(state: &AppState, args: &ExtenderArgs) -> ExtenderFilterResu
                 ..Default::default()
             });
         }
-        Nodes::Names(names, ann) => {
+        Nodes::Names(names, metas) => {
             let mut pass = Vec::new();
-            let empty = BTreeMap::new();
+            let empty = NodeMeta::default();
             for name in names {
-                let a = match ann.get(&name) {
-                    Some(a) => a,
+                let m = match metas.get(&name) {
+                    Some(m) => m,
                     None if matches!(&req, Ok(r) if r.is_empty()) => &empty,
                     None => {
                         fail(
@@ -225,7 +343,7 @@ pub async fn filter(state: &AppState, args: &ExtenderArgs) -> ExtenderFilterResu
                         continue;
                     }
                 };
-                match verdict(&name, a) {
+                match verdict(&name, m) {
                     Ok(()) => pass.push(name),
                     Err(e) => fail(&name, e),
                 }
@@ -251,13 +369,27 @@ async fn prioritize_handler(State(state): State<AppState>, body: Bytes) -> Respo
     }
 }
 
-/// The prioritize verb: 0..=10 per node; 0 for a node the pod does not fit.
+/// The prioritize verb: 0..=10 per node; 0 for a node the pod does not fit or that is
+/// outside its namespace's pool (the quota is filter's and bind's business).
 pub async fn prioritize(state: &AppState, args: &ExtenderArgs) -> Result<HostPriorityList, String> {
     let req = request_of(state, args.pod.as_ref()).ok();
-    let score = |name: &str, ann: &BTreeMap<String, String>| -> i64 {
-        match (&req, node_view(name, ann)) {
-            (Some(r), Ok(view)) if !r.is_empty() => placement::score(&view, r, &state.policy),
-            _ => 0,
+    let admit = match &req {
+        Some(r) => admit(state, r, args.pod.as_ref(), false).await,
+        None => Admit::Open,
+    };
+    let expiry = state.expiry();
+    let score = |name: &str, meta: &NodeMeta| -> i64 {
+        let Some(r) = req.as_ref().filter(|r| !r.is_empty()) else {
+            return 0;
+        };
+        match &admit {
+            Admit::Refused(..) => return 0,
+            Admit::Rule(gate, _) if gate.check_pool(&meta.labels).is_err() => return 0,
+            _ => {}
+        }
+        match node_view(name, &meta.annotations, expiry) {
+            Ok(view) => placement::score(&view, r, &state.policy),
+            Err(_) => 0,
         }
     };
     let list = match nodes_of(state, args).await? {
@@ -265,16 +397,22 @@ pub async fn prioritize(state: &AppState, args: &ExtenderArgs) -> Result<HostPri
             .iter()
             .map(|n| HostPriority {
                 host: n.metadata.name.clone(),
-                score: score(&n.metadata.name, &n.metadata.annotations),
+                score: score(
+                    &n.metadata.name,
+                    &NodeMeta {
+                        labels: n.metadata.labels.clone(),
+                        annotations: n.metadata.annotations.clone(),
+                    },
+                ),
             })
             .collect(),
-        Nodes::Names(names, ann) => {
-            let empty = BTreeMap::new();
+        Nodes::Names(names, metas) => {
+            let empty = NodeMeta::default();
             names
                 .iter()
                 .map(|name| HostPriority {
                     host: name.clone(),
-                    score: score(name, ann.get(name).unwrap_or(&empty)),
+                    score: score(name, metas.get(name).unwrap_or(&empty)),
                 })
                 .collect()
         }

@@ -9,21 +9,41 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [d for d in yaml.safe_load_all((ROOT / "deploy" / "vcuda-scheduler.yaml").read_text()) if d]
 
 
-def one(kind):
-    (d,) = [d for d in DOCS if d.get("kind") == kind]
+def one(kind, name=None):
+    (d,) = [d for d in DOCS if d.get("kind") == kind and name in (None, d["metadata"]["name"])]
     return d
+
+
+def quota_flag():
+    (c,) = one("Deployment")["spec"]["template"]["spec"]["containers"]
+    cmd = c["command"]
+    return cmd[cmd.index("--quota-configmap") + 1].split("/")
 
 
 def test_rbac_is_least_privilege():
     text = yaml.safe_dump_all(DOCS)
     assert "cluster-admin" not in text and "secrets" not in text and "'*'" not in text
     rules = {(r["resources"][0], tuple(sorted(r["verbs"]))) for r in one("ClusterRole")["rules"]}
-    assert rules == {("nodes", ("get", "list", "patch")), ("pods", ("get",)), ("pods/binding", ("create",))}
+    assert rules == {("nodes", ("get", "list", "patch")), ("pods", ("get", "list")), ("pods/binding", ("create",))}
     for r in one("ClusterRole")["rules"]:
         assert r["apiGroups"] == [""] and len(r["resources"]) == 1
     crb = one("ClusterRoleBinding")
     assert crb["roleRef"]["name"] == "vcuda-scheduler"
     assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "vcuda-scheduler", "namespace": "vcuda-system"}]
+
+
+def test_the_quota_configmap_is_reachable_by_name_only():
+    ns, name = quota_flag()
+    (rule,) = one("Role")["rules"]
+    assert one("Role")["metadata"]["namespace"] == ns
+    assert rule == {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name], "verbs": ["get", "patch"]}
+    rb = one("RoleBinding")
+    assert rb["metadata"]["namespace"] == ns and rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                                                    "name": one("Role")["metadata"]["name"]}
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "vcuda-scheduler", "namespace": "vcuda-system"}]
+    # fail closed: the manifest ships the ConfigMap the flag names (empty: no rules yet)
+    cm = one("ConfigMap", name)
+    assert cm["metadata"]["namespace"] == ns and not cm.get("data")
 
 
 def test_deployment_runs_unprivileged_replicas():
@@ -44,7 +64,7 @@ def test_deployment_runs_unprivileged_replicas():
 
 
 def test_the_extender_entry_matches_the_service():
-    cfg = yaml.safe_load(one("ConfigMap")["data"]["scheduler-config.yaml"])
+    cfg = yaml.safe_load(one("ConfigMap", "vcuda-scheduler-extender")["data"]["scheduler-config.yaml"])
     assert cfg["kind"] == "KubeSchedulerConfiguration"
     assert cfg["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     (ext,) = cfg["extenders"]

@@ -24,6 +24,9 @@ SIM = ROOT / "tests" / "apiserver-sim" / "apiserver_sim.py"
 BIN = pathlib.Path(os.environ.get("VCUDA_SCHEDULER_BIN", ROOT / "target" / "release" / "vcuda-scheduler"))
 GIB = 1 << 30
 CORE = "tencent.com/vcuda-core"
+QUOTA_NS, QUOTA_NAME = "vcuda-system", "vcuda-quotas"
+QUOTA_CM = f"{QUOTA_NS}/{QUOTA_NAME}"
+QUOTA_FLAG = ("--quota-configmap", QUOTA_CM)
 MEM = "tencent.com/vcuda-memory"  # units of 256 MiB
 
 
@@ -60,13 +63,14 @@ class Cluster:
     def api(self, method, path, body=None, ctype="application/json"):
         return call(self.url + path, method, body, ctype)
 
-    def node(self, name, gpus=None):
+    def node(self, name, gpus=None, labels=None, model="NVIDIA A100-SXM4-40GB"):
         """gpus: [(core % allocated, GiB allocated)] on 40 GiB GPUs; None = no inventory."""
         ann = {}
         if gpus is not None:
-            ann["vcuda.io/gpus"] = json.dumps(inventory(name, gpus))
+            ann["vcuda.io/gpus"] = json.dumps(inventory(name, gpus, model))
         code, obj = self.api("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
-                                                       "metadata": {"name": name, "annotations": ann},
+                                                       "metadata": {"name": name, "annotations": ann,
+                                                                    "labels": labels or {}},
                                                        "status": {"capacity": {CORE: "200", MEM: "320"}}})
         assert code == 201, obj
         return obj
@@ -85,6 +89,34 @@ class Cluster:
                                                    "requests": {CORE: str(core), MEM: str(mem_units)}}}]}})
         assert code == 201, obj
         return obj
+
+    def plain_pod(self, name, ns="default"):
+        """A pod asking for no vcuda resource."""
+        code, obj = self.api("POST", f"/api/v1/namespaces/{ns}/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"containers": [{"name": "main", "image": "busybox"}]}})
+        assert code == 201, obj
+        return obj
+
+    def finish(self, name, ns="default", phase="Succeeded"):
+        code, obj = self.api("PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status",
+                             {"status": {"phase": phase}}, "application/merge-patch+json")
+        assert code == 200, obj
+
+    def quotas(self, data, ns=QUOTA_NS, name=QUOTA_NAME):
+        """Create or replace the quota ConfigMap's data: {namespace: rule (dict, or raw text)}."""
+        data = {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.items()}
+        code, obj = self.api("GET", f"/api/v1/namespaces/{ns}/configmaps/{name}")
+        if code == 404:
+            code, obj = self.api("POST", f"/api/v1/namespaces/{ns}/configmaps",
+                                 {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": data})
+            assert code == 201, obj
+        else:
+            # a merge patch without resourceVersion, as `kubectl edit` would after a re-read
+            patch = {"data": {**{k: None for k in obj.get("data", {})}, **data}}
+            code, obj = self.api("PATCH", f"/api/v1/namespaces/{ns}/configmaps/{name}", patch,
+                                 "application/merge-patch+json")
+            assert code == 200, obj
 
     def get(self, path):
         code, obj = self.api("GET", path)
@@ -114,9 +146,9 @@ class Cluster:
         self.proc.wait(timeout=10)
 
 
-def inventory(node, gpus):
+def inventory(node, gpus, model="NVIDIA A100-SXM4-40GB"):
     return {"schema": 1, "gpus": [
-        {"index": i, "uuid": f"GPU-{node}-{i}", "model": "NVIDIA A100-SXM4-40GB", "computeCapability": "8.0",
+        {"index": i, "uuid": f"GPU-{node}-{i}", "model": model, "computeCapability": "8.0",
          "memoryBytes": 40 * GIB, "numaNode": 0,
          "links": [{"peer": j, "link": {"type": "nvLink", "lanes": 12}} for j in range(len(gpus)) if j != i],
          "healthy": True, "allocated": {"corePercent": c, "memoryBytes": m * GIB}}
@@ -213,17 +245,17 @@ def test_prioritize_binpack_prefers_the_fuller_node_and_spread_the_emptier(clust
 # ---- bind ----------------------------------------------------------------------------------------
 
 
-def schedule(cluster, sched, pod_name, nodes, cache_capable):
+def schedule(cluster, sched, pod_name, nodes, cache_capable, ns="default"):
     """One kube-scheduler cycle: filter, prioritize, pick the best, bind. (node, error)."""
-    args = extender_args(cluster, pod_name, nodes, cache_capable)
+    args = extender_args(cluster, pod_name, nodes, cache_capable, ns)
     f = verb(sched, "filter", args)
     feasible = f["NodeNames"] if cache_capable else [n["metadata"]["name"] for n in f["Nodes"]["items"]]
     if not feasible:
-        return None, "no node fits: " + "; ".join(f["FailedNodes"].values())
-    args = extender_args(cluster, pod_name, feasible, cache_capable)
+        return None, "no node fits: " + "; ".join([*f["FailedNodes"].values(), *f["FailedAndUnresolvableNodes"].values()])
+    args = extender_args(cluster, pod_name, feasible, cache_capable, ns)
     scores = verb(sched, "prioritize", args)
     best = max(scores, key=lambda h: h["Score"])["Host"]
-    return best, bind(cluster, sched, pod_name, best)["Error"]
+    return best, bind(cluster, sched, pod_name, best, ns)["Error"]
 
 
 def test_fifty_pods_bound_concurrently_through_two_replicas_never_overcommit(cluster):
@@ -358,7 +390,235 @@ def test_url_prefix(cluster):
 def test_help_documents_every_flag():
     assert BIN.exists(), f"{BIN} is missing: run `cargo build --release -p vcuda-scheduler`"
     out = subprocess.run([str(BIN), "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--listen", "--url-prefix", "--policy", "--prefer-old-for-fractional", "--domain", "--kubeconfig"):
+    for flag in ("--listen", "--url-prefix", "--policy", "--prefer-old-for-fractional", "--domain", "--kubeconfig",
+                 "--quota-configmap", "--reservation-ttl"):
         assert flag in out, flag
-    for words in ("0.0.0.0:8888", "binpack", "spread", "tencent.com", "KUBECONFIG"):
+    for words in ("0.0.0.0:8888", "binpack", "spread", "tencent.com", "KUBECONFIG", "NAMESPACE/NAME", "fail closed",
+                  "matchLabels", "10m"):
         assert words in out, words
+
+
+# ---- namespace pools and quotas (--quota-configmap) ---------------------------------------------
+
+
+def passed(out, cache_capable):
+    return out["NodeNames"] if cache_capable else [n["metadata"]["name"] for n in out["Nodes"]["items"]]
+
+
+def poll(what, fn, timeout=10.0):
+    """fn() until it returns something truthy (the scheduler re-reads the ConfigMap every 2 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def assigned_core(cluster, ns):
+    """vcuda-core held by the bound pods of ns, from their assignments."""
+    total = 0
+    for pod in cluster.get(f"/api/v1/namespaces/{ns}/pods")["items"]:
+        a = pod["metadata"].get("annotations", {}).get("vcuda.io/assignment")
+        if pod["spec"].get("nodeName") and a:
+            total += sum(s["corePercent"] for shares in json.loads(a)["containers"].values() for s in shares)
+    return total
+
+
+@pytest.mark.parametrize("cache_capable", [False, True])
+def test_a_namespace_pool_keeps_its_pods_on_labelled_nodes(cluster, cache_capable):
+    cluster.quotas({"ml": {"pool": {"matchLabels": {"gpu-pool": "research"}}}})
+    cluster.node("r1", [(0, 0)], labels={"gpu-pool": "research"})
+    cluster.node("o1", [(0, 0)])
+    cluster.node("o2", [(0, 0)], labels={"gpu-pool": "batch"})
+    cluster.pod("train", 50, 16, ns="ml")
+    cluster.pod("web", 50, 16, ns="default")
+    s = cluster.scheduler(*QUOTA_FLAG)
+    nodes = ["r1", "o1", "o2"]
+    out = verb(s, "filter", extender_args(cluster, "train", nodes, cache_capable, ns="ml"))
+    assert out["Error"] == "" and passed(out, cache_capable) == ["r1"], out
+    failed = out["FailedAndUnresolvableNodes"]  # no preemption puts a pod on a node outside its pool
+    assert failed["o1"] == ("node o1: namespace ml may use only nodes labelled gpu-pool=research; "
+                            f"this node has gpu-pool=<none> (quota ConfigMap {QUOTA_CM})")
+    assert "this node has gpu-pool=batch" in failed["o2"], failed
+    scores = {h["Host"]: h["Score"] for h in verb(s, "prioritize", extender_args(cluster, "train", nodes, cache_capable, ns="ml"))}
+    assert scores["r1"] > 0 and scores["o1"] == 0 and scores["o2"] == 0, scores
+    # another namespace has no rule: every node
+    out = verb(s, "filter", extender_args(cluster, "web", nodes, cache_capable))
+    assert sorted(passed(out, cache_capable)) == sorted(nodes), out
+    # bind checks the pool too (kube-scheduler's node choice is not trusted)
+    err = bind(cluster, s, "train", "o1", ns="ml")["Error"]
+    assert "may use only nodes labelled gpu-pool=research" in err and QUOTA_CM in err, err
+    assert bind(cluster, s, "train", "r1", ns="ml") == {"Error": ""}
+
+
+def test_a_request_beyond_the_quota_is_refused_with_a_reason(cluster):
+    cluster.quotas({"ml": {"quota": {"A100": {"core": 100}}}})
+    for n in ("n1", "n2"):
+        cluster.node(n, [(0, 0), (0, 0)])
+    cluster.pod("first", 60, 16, ns="ml")
+    cluster.pod("second", 50, 16, ns="ml")
+    cluster.pod("huge", 200, 0, ns="ml")
+    cluster.pod("other", 60, 16, ns="default")
+    s = cluster.scheduler(*QUOTA_FLAG)
+    assert schedule(cluster, s, "first", ["n1", "n2"], True, ns="ml")[1] == ""
+    out = verb(s, "filter", extender_args(cluster, "second", ["n1", "n2"], True, ns="ml"))
+    assert out["NodeNames"] == [] and set(out["FailedNodes"]) == {"n1", "n2"}, out
+    assert out["FailedNodes"]["n1"] == (
+        "node n1: namespace ml: A100 vcuda-core would be 110 of quota 100 (holding 60, asking 50); "
+        f"wait for the namespace's pods to finish or ask for a larger quota (quota ConfigMap {QUOTA_CM})")
+    # bind refuses it too, even if kube-scheduler tried
+    err = bind(cluster, s, "second", "n2", ns="ml")["Error"]
+    assert "would be 110 of quota 100" in err, err
+    assert not cluster.get("/api/v1/namespaces/ml/pods/second")["spec"].get("nodeName")
+    # two whole GPUs exceed the quota whatever runs: no node can ever help
+    out = verb(s, "filter", extender_args(cluster, "huge", ["n1"], True, ns="ml"))
+    assert "would be 260 of quota 100" in out["FailedAndUnresolvableNodes"]["n1"], out
+    # other namespaces are not limited
+    assert verb(s, "filter", extender_args(cluster, "other", ["n1"], True))["NodeNames"] == ["n1"]
+    # once the first pod has finished, its share is free again
+    cluster.finish("first", ns="ml")
+    assert verb(s, "filter", extender_args(cluster, "second", ["n1", "n2"], True, ns="ml"))["NodeNames"] == ["n1", "n2"]
+    assert bind(cluster, s, "second", "n2", ns="ml") == {"Error": ""}
+
+
+def test_concurrent_binds_through_two_replicas_never_exceed_a_quota(cluster):
+    cluster.quotas({"ml": {"quota": {"A100": {"core": 300}}}})
+    nodes = [f"n{i}" for i in range(8)]
+    for n in nodes:
+        cluster.node(n, [(0, 0), (0, 0)])  # room for 48 pods of 30 %: only the quota limits
+    pods = [f"p{i:02}" for i in range(30)]
+    for p in pods:
+        cluster.pod(p, 30, 8, ns="ml")  # 30 pods × 30 = 900 asked, 300 allowed
+    replicas = [cluster.scheduler(*QUOTA_FLAG), cluster.scheduler(*QUOTA_FLAG)]
+    outcome, errors = {}, []
+    rnd = random.Random(11)
+    start = threading.Barrier(len(pods))
+
+    def run(i, p):
+        try:
+            start.wait()
+            reason = None
+            for attempt in range(8):  # kube-scheduler requeues a pod whose bind failed, with backoff
+                node, err = schedule(cluster, replicas[(i + attempt) % 2], p, nodes, cache_capable=(i % 2 == 1), ns="ml")
+                if node and not err:
+                    outcome[p] = ("bound", node)
+                    return
+                assert err, f"{p}: refused without a reason"
+                reason = err
+                time.sleep(rnd.uniform(0.05, 0.2))
+            outcome[p] = ("refused", reason)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{p}: {e!r}")
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(pods)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert not errors, errors
+    assert len(outcome) == len(pods)
+
+    held = assigned_core(cluster, "ml")
+    bound = [p for p, (status, _) in outcome.items() if status == "bound"]
+    assert held <= 300, f"quota exceeded: the bound pods hold {held} vcuda-core of 300"
+    assert held == 30 * len(bound)
+    for p, (status, what) in outcome.items():
+        pod = cluster.get(f"/api/v1/namespaces/ml/pods/{p}")
+        if status == "bound":
+            assert pod["spec"]["nodeName"] == what
+        else:
+            assert what and not pod["spec"].get("nodeName"), (p, what)
+    refused = [what for status, what in outcome.values() if status == "refused"]
+    assert all("quota" in r for r in refused), refused
+    log = cluster.get("/_sim/requests")["requests"]
+    cm_path = f"/api/v1/namespaces/{QUOTA_NS}/configmaps/{QUOTA_NAME}"
+    conflicts = sum(1 for r in log if r["method"] == "PATCH" and r["path"] == cm_path and r["status"] == 409)
+    print(f"bound {len(bound)} of {len(pods)} ({held} of 300 vcuda-core); {conflicts} claim writes hit a 409")
+    assert conflicts > 0, "the replicas never raced on the quota: the test does not exercise it"
+    assert len(bound) == 10, f"the quota allows 10 such pods; {len(bound)} bound: {refused[:3]}"
+
+
+def test_quota_configmap_edits_take_effect_without_a_restart(cluster):
+    cluster.quotas({"ml": {"quota": {"A100": {"core": 50}}}})
+    cluster.node("n1", [(0, 0)], labels={"gpu-pool": "research"})
+    cluster.pod("p", 60, 16, ns="ml")
+    s = cluster.scheduler(*QUOTA_FLAG)
+    out = verb(s, "filter", extender_args(cluster, "p", ["n1"], True, ns="ml"))
+    assert "would be 60 of quota 50" in out["FailedAndUnresolvableNodes"]["n1"], out
+    cluster.quotas({"ml": {"quota": {"A100": {"core": 100}}}})
+    poll("the raised quota", lambda: verb(s, "filter", extender_args(cluster, "p", ["n1"], True, ns="ml"))["NodeNames"])
+    cluster.quotas({"ml": {"pool": {"matchLabels": {"gpu-pool": "batch"}}, "quota": {"A100": {"core": 100}}}})
+    out = poll("the new pool", lambda: (lambda o: o if o["FailedAndUnresolvableNodes"] else None)(
+        verb(s, "filter", extender_args(cluster, "p", ["n1"], True, ns="ml"))))
+    assert "labelled gpu-pool=batch" in out["FailedAndUnresolvableNodes"]["n1"], out
+    # the namespace's entry is removed: unrestricted
+    cluster.quotas({"web": {"quota": {"T4": {"core": 100}}}})
+    poll("the removed entry", lambda: verb(s, "filter", extender_args(cluster, "p", ["n1"], True, ns="ml"))["NodeNames"])
+    assert bind(cluster, s, "p", "n1", ns="ml") == {"Error": ""}
+
+
+def test_a_missing_quota_configmap_fails_closed_with_a_reason(cluster):
+    cluster.node("n1", [(0, 0)])
+    cluster.pod("gpu", 50, 16, ns="ml")
+    cluster.plain_pod("cpu", ns="ml")
+    s = cluster.scheduler(*QUOTA_FLAG)
+    log = cluster.tmp / "scheduler0.log"
+    for cache_capable in (False, True):
+        out = verb(s, "filter", extender_args(cluster, "gpu", ["n1"], cache_capable, ns="ml"))
+        assert passed(out, cache_capable) == []
+        why = out["FailedAndUnresolvableNodes"]["n1"]
+        assert why.startswith(f"the quota ConfigMap {QUOTA_CM} (--quota-configmap) does not exist"), why
+        assert "create it" in why, why
+    err = bind(cluster, s, "gpu", "n1", ns="ml")["Error"]
+    assert "does not exist" in err and QUOTA_CM in err, err
+    assert not cluster.get("/api/v1/namespaces/ml/pods/gpu")["spec"].get("nodeName")
+    # pods asking for no vcuda resource are not the quota's business
+    assert verb(s, "filter", extender_args(cluster, "cpu", ["n1"], True, ns="ml"))["NodeNames"] == ["n1"]
+    assert "quota ConfigMap does not exist" in log.read_text() and QUOTA_CM in log.read_text()
+    # an unreadable entry refuses the pods of its namespace only, naming the key
+    cluster.quotas({"ml": "{\"quota\": {\"A100\": {\"core\": 100}", "web": {"quota": {"A100": {"core": 100}}}})
+    out = poll("the created ConfigMap", lambda: (lambda o: o if "key ml" in str(o) else None)(
+        verb(s, "filter", extender_args(cluster, "gpu", ["n1"], True, ns="ml"))))
+    assert out["FailedAndUnresolvableNodes"]["n1"].startswith("quota ConfigMap key ml: not the expected JSON"), out
+    cluster.pod("w", 50, 16, ns="web")
+    assert verb(s, "filter", extender_args(cluster, "w", ["n1"], True, ns="web"))["NodeNames"] == ["n1"]
+    cluster.quotas({"ml": {"quota": {"A100": {"core": 100}}}})
+    poll("the repaired entry", lambda: verb(s, "filter", extender_args(cluster, "gpu", ["n1"], True, ns="ml"))["NodeNames"])
+    assert bind(cluster, s, "gpu", "n1", ns="ml") == {"Error": ""}
+
+
+# ---- reservation expiry --------------------------------------------------------------------------
+
+
+def test_expired_reservations_no_longer_block(cluster):
+    cluster.node("n1", [(0, 0)])
+    now_ms = int(time.time() * 1000)
+    stale = {"namespace": "default", "name": "gone", "uid": "uid-gone", "createdUnixMs": now_ms - 3600_000,
+             "gpus": [{"uuid": "GPU-n1-0", "corePercent": 100, "memoryBytes": 40 * GIB}]}
+    code, obj = cluster.api("PATCH", "/api/v1/nodes/n1", {"metadata": {"annotations": {
+        "vcuda.io/reservations": json.dumps({"schema": 1, "pods": [stale]})}}}, "application/merge-patch+json")
+    assert code == 200, obj
+    cluster.pod("p", 50, 16)
+    patient = cluster.scheduler("--reservation-ttl", "2h")  # the hour-old reservation still counts
+    default = cluster.scheduler()  # 10 minutes: it is stale
+    for cache_capable in (False, True):
+        out = verb(patient, "filter", extender_args(cluster, "p", ["n1"], cache_capable))
+        assert passed(out, cache_capable) == [] and "50 %" in out["FailedNodes"]["n1"], out
+        out = verb(default, "filter", extender_args(cluster, "p", ["n1"], cache_capable))
+        assert passed(out, cache_capable) == ["n1"], out
+    scores = verb(default, "prioritize", extender_args(cluster, "p", ["n1"], True))
+    assert scores[0]["Score"] > 0, scores
+    assert "no longer fits" in bind(cluster, patient, "p", "n1")["Error"]
+    assert bind(cluster, default, "p", "n1") == {"Error": ""}
+    # the bind dropped the stale reservation from the annotation it wrote
+    assert [r["name"] for r in reservations(cluster.get("/api/v1/nodes/n1"))] == ["p"]
+
+
+def test_a_bad_reservation_ttl_or_configmap_flag_is_refused_at_start(tmp_path):
+    assert BIN.exists(), f"{BIN} is missing: run `cargo build --release -p vcuda-scheduler`"
+    r = subprocess.run([str(BIN), "--reservation-ttl", "ten minutes"], capture_output=True, text=True)
+    assert r.returncode != 0 and "e.g. 90s, 10m" in r.stderr, r.stderr
+    r = subprocess.run([str(BIN), "--quota-configmap", "vcuda-quotas"], capture_output=True, text=True)
+    assert r.returncode != 0 and "NAMESPACE/NAME" in r.stderr, r.stderr

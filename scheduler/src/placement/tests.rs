@@ -365,6 +365,21 @@ fn node_views_come_from_annotations_with_reasons() {
     );
     let v = NodeView::from_annotations(&ann).unwrap();
     assert_eq!(v.gpus[0].core_used, 15);
+    // the reservation was made at 1 ms: with a TTL of 10 s it still counts at 10 000 ms
+    // and is ignored from 10 001 ms on
+    let at = |now_ms| {
+        NodeView::from_annotations_at(
+            &ann,
+            Expiry {
+                now_ms,
+                ttl_ms: 10_000,
+            },
+        )
+        .unwrap()
+        .gpus[0]
+            .core_used
+    };
+    assert_eq!((at(10_000), at(10_001), at(0)), (15, 10, 15));
     let mut newer = inv.clone();
     newer.schema = SCHEMA + 1;
     ann.insert(
