@@ -215,6 +215,12 @@ pub struct Assignment {
     /// Container name → its GPUs (one entry for a share, `N` for `gpu-count: N` or `N`
     /// whole GPUs). Init containers are included under their names.
     pub containers: BTreeMap<String, Vec<GpuShare>>,
+    /// When the scheduler bound the pod, milliseconds since the Unix epoch (UTC). The
+    /// kubelet admits pods in the order they were bound to its node; the manager uses this to
+    /// tell which pending pod a GetPreferredAllocation is for (optional: absent from older
+    /// writers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_unix_ms: Option<u64>,
 }
 
 /// A pod the scheduler bound to the node whose GPUs the kubelet has not allocated yet.
@@ -359,15 +365,20 @@ mod tests {
             core_percent: 60,
             memory_bytes: 4 << 30,
         };
-        let a = Assignment {
+        let mut a = Assignment {
             schema: SCHEMA,
             containers: BTreeMap::from([("train".to_string(), vec![share.clone()])]),
+            bound_unix_ms: None,
         };
         let j = serde_json::to_string(&a).unwrap();
         assert_eq!(
             j,
             r#"{"schema":1,"containers":{"train":[{"uuid":"GPU-a","corePercent":60,"memoryBytes":4294967296}]}}"#
         );
+        assert_eq!(serde_json::from_str::<Assignment>(&j).unwrap(), a);
+        a.bound_unix_ms = Some(1_700_000_000_123);
+        let j = serde_json::to_string(&a).unwrap();
+        assert!(j.ends_with(r#","boundUnixMs":1700000000123}"#), "{j}");
         assert_eq!(serde_json::from_str::<Assignment>(&j).unwrap(), a);
 
         let r = Reservations {

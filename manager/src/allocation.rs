@@ -159,6 +159,7 @@ pub fn plan(cores: &[DeviceId]) -> Result<(Vec<String>, u32), String> {
     Ok(match check_cores(cores)? {
         Cores::Share { uuid, percent } => (vec![uuid], percent),
         Cores::Whole { uuids } => (uuids, 100),
+        Cores::Split { uuids, percent } => (uuids, percent),
     })
 }
 
@@ -258,9 +259,15 @@ pub struct Holdings {
     pub memory: Vec<String>,
 }
 
-/// PreStartContainer's decision for an allocation: the memory quota, or why the container
-/// must not start.
-pub fn finish(node: &Node, alloc: &Allocation, held: &Holdings) -> Result<u64, String> {
+/// PreStartContainer's decision for an allocation: the memory quota per GPU, or why the
+/// container must not start. `gpu_count` is the pod's `vcuda.io/gpu-count` (1 when unset),
+/// `None` when the pod cannot be read (no API server access).
+pub fn finish(
+    node: &Node,
+    alloc: &Allocation,
+    held: &Holdings,
+    gpu_count: Option<u32>,
+) -> Result<u64, String> {
     let who = format!(
         "{}/{} container {}",
         held.namespace, held.pod, held.container
@@ -278,19 +285,53 @@ pub fn finish(node: &Node, alloc: &Allocation, held: &Holdings) -> Result<u64, S
     if held.memory.is_empty() {
         return Err(format!(
             "{who}: a share of a GPU (vcuda-core {}) needs vcuda-memory too (1 = 256 MiB); add it to the container's requests and limits",
-            alloc.percent
+            alloc.percent * alloc.gpus.len() as u32
         ));
+    }
+    let n = alloc.gpus.len() as u32;
+    let cores_on = || {
+        alloc
+            .gpus
+            .iter()
+            .map(|g| format!("{} % on {g}", alloc.percent))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match gpu_count {
+        Some(k) if k == n => {}
+        None if n == 1 => {}
+        None => {
+            return Err(format!(
+                "{who}: vcuda-core landed on {n} GPUs ({}); a share spans GPUs only for a pod annotated vcuda.io/gpu-count: \"{n}\", which this manager could not read (it runs without the API server, or the API server did not answer: see its log; it needs --kubeconfig or an in-cluster service account). Delete the pod to retry",
+                cores_on()
+            ))
+        }
+        Some(1) => {
+            return Err(format!(
+                "{who}: vcuda-core was split over {n} GPUs ({}) but the pod does not ask for vcuda.io/gpu-count; no GPU on this node had the whole share free. Delete the pod to retry (the scheduler extender prevents this)",
+                cores_on()
+            ))
+        }
+        Some(k) => {
+            return Err(format!(
+                "{who}: the pod asks for vcuda.io/gpu-count: \"{k}\" but its vcuda-core landed on {n} GPU(s) ({}); delete the pod to retry (the scheduler extender places such pods)",
+                cores_on()
+            ))
+        }
     }
     let mem = parse_ids(Kind::Memory, &held.memory)?;
-    let (uuid, bytes) = check_memory(node, &mem).map_err(|e| format!("{who}: {e}"))?;
-    if Some(&uuid) != alloc.gpus.first() {
+    let placed = check_memory(node, &mem).map_err(|e| format!("{who}: {e}"))?;
+    let mut cores = alloc.gpus.clone();
+    cores.sort();
+    if placed.gpus != cores {
         return Err(format!(
-            "{who}: vcuda-core landed on GPU {} and vcuda-memory on GPU {uuid}; a container's share and memory must be on one GPU. Delete the pod to retry (the scheduler extender prevents this on multi-GPU nodes)",
-            alloc.gpus.first().map_or("?", String::as_str)
+            "{who}: vcuda-core landed on GPU {} and vcuda-memory on GPU {}; a container's share and memory must be on the same GPU(s). Delete the pod to retry (the scheduler extender prevents this on multi-GPU nodes)",
+            cores.join(", "),
+            placed.gpus.join(", ")
         ));
     }
-    debug_assert_eq!(bytes % MEMORY_UNIT, 0);
-    Ok(bytes)
+    debug_assert_eq!(placed.per_gpu % MEMORY_UNIT, 0);
+    Ok(placed.per_gpu)
 }
 
 #[cfg(test)]
@@ -417,7 +458,8 @@ mod tests {
             finish(
                 &n,
                 &a,
-                &held(ids(U0, Kind::Core, 30), ids(U0, Kind::Memory, 16))
+                &held(ids(U0, Kind::Core, 30), ids(U0, Kind::Memory, 16)),
+                None
             ),
             Ok(4 << 30)
         );
@@ -425,22 +467,59 @@ mod tests {
             &n,
             &a,
             &held(ids(U0, Kind::Core, 30), ids(U1, Kind::Memory, 16)),
+            Some(1),
         )
         .unwrap_err();
         assert!(
-            e.contains("one GPU") && e.contains("ns/p container c"),
+            e.contains("same GPU") && e.contains("ns/p container c"),
             "{e}"
         );
-        let e = finish(&n, &a, &held(ids(U0, Kind::Core, 30), vec![])).unwrap_err();
+        let e = finish(&n, &a, &held(ids(U0, Kind::Core, 30), vec![]), None).unwrap_err();
         assert!(e.contains("needs vcuda-memory"), "{e}");
         assert_eq!(
             finish(
                 &n,
                 &alloc(100, &[U0]),
-                &held(ids(U0, Kind::Core, 100), vec![])
+                &held(ids(U0, Kind::Core, 100), vec![]),
+                None
             ),
             Ok(0)
         );
+    }
+
+    #[test]
+    fn a_split_over_gpus_needs_the_pods_gpu_count() {
+        let n = node();
+        let held = |cores, memory| Holdings {
+            namespace: "ns".into(),
+            pod: "p".into(),
+            container: "c".into(),
+            cores,
+            memory,
+        };
+        let both = |k: Kind, each: usize| {
+            let mut v = ids(U0, k, each);
+            v.extend(ids(U1, k, each));
+            v
+        };
+        let a = alloc(30, &[U0, U1]);
+        let h = held(both(Kind::Core, 30), both(Kind::Memory, 8));
+        assert_eq!(finish(&n, &a, &h, Some(2)), Ok(2 << 30));
+        let e = finish(&n, &a, &h, Some(1)).unwrap_err();
+        assert!(e.contains("does not ask for vcuda.io/gpu-count"), "{e}");
+        let e = finish(&n, &a, &h, Some(3)).unwrap_err();
+        assert!(e.contains("gpu-count: \"3\"") && e.contains("2 GPU"), "{e}");
+        let e = finish(&n, &a, &h, None).unwrap_err();
+        assert!(e.contains("could not read"), "{e}");
+        // Memory on one of the two GPUs only.
+        let h = held(both(Kind::Core, 30), ids(U0, Kind::Memory, 16));
+        let e = finish(&n, &a, &h, Some(2)).unwrap_err();
+        assert!(e.contains("same GPU"), "{e}");
+        // Asked for two GPUs, got one.
+        let one = alloc(60, &[U0]);
+        let h = held(ids(U0, Kind::Core, 60), ids(U0, Kind::Memory, 16));
+        let e = finish(&n, &one, &h, Some(2)).unwrap_err();
+        assert!(e.contains("landed on 1 GPU"), "{e}");
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use vcuda_cluster::GpuShare;
 use vcuda_contract::config::parse_uuid;
 use vcuda_contract::control::Hello;
 use vcuda_contract::region::Region;
@@ -16,11 +17,12 @@ use crate::allocation::{
     answer, container_config, finish, parse_ids, plan, Allocation, Answer, Holdings, Layout, Owner,
     CONTAINER_LIBRARY,
 };
+use crate::assign::{actual_shape, check_assignment, PodFacts, Shape};
 use crate::gpus::Inventory;
 use crate::identity;
 use crate::ids::{DeviceId, Kind};
 use crate::journal::Journal;
-use crate::placement::{check_memory, preferred, Pairing};
+use crate::placement::{check_memory, preferred, preferred_on, Pairing};
 use crate::settings::Settings;
 
 /// The manager's state.
@@ -33,6 +35,11 @@ pub struct Core {
     pairing: Pairing,
     epoch: Instant,
     next_id: u64,
+    /// Notified at every change of the allocations (the inventory publisher waits on it).
+    pub changed: std::sync::Arc<tokio::sync::Notify>,
+    /// Exchanges of identical pods' decisions not yet written to the Node's reservations:
+    /// pod uid → the shares it now stands for ([`crate::assign::partner`]).
+    pub overrides: BTreeMap<String, Vec<GpuShare>>,
 }
 
 impl Core {
@@ -102,11 +109,14 @@ impl Core {
             pairing: Pairing::default(),
             epoch: Instant::now(),
             next_id,
+            changed: Default::default(),
+            overrides: BTreeMap::new(),
         })
     }
 
     /// Record one allocation's current state in the checkpoint.
     fn save(&mut self, id: &str) -> Result<(), String> {
+        self.changed.notify_one();
         match self.allocs.get(id) {
             Some(a) => self.journal.put(a),
             None => Ok(()),
@@ -153,6 +163,20 @@ impl Core {
         must: &[String],
         size: usize,
     ) -> Vec<String> {
+        self.preferred_with(kind, available, must, size, None)
+    }
+
+    /// GetPreferredAllocation when the GPUs are decided (`want`: UUID and how many IDs on
+    /// each, from the scheduler's assignment or a `gpu-count` split); falls back to
+    /// [`Core::preferred`]'s own choice when that cannot be honoured exactly.
+    pub fn preferred_with(
+        &mut self,
+        kind: Kind,
+        available: &[String],
+        must: &[String],
+        size: usize,
+        want: Option<&[(String, usize)]>,
+    ) -> Vec<String> {
         let parse = |v: &[String]| -> Vec<DeviceId> {
             v.iter()
                 .filter_map(|s| DeviceId::parse(s))
@@ -160,6 +184,22 @@ impl Core {
                 .collect()
         };
         let now = self.now();
+        if let Some(want) = want {
+            match preferred_on(kind, &parse(available), &parse(must), size, want) {
+                Some(ids) => {
+                    if let Some(first) = ids.first() {
+                        self.pairing.placed(kind, &first.uuid, now);
+                    }
+                    return ids.iter().map(ToString::to_string).collect();
+                }
+                None => tracing::info!(
+                    resource = %kind.resource(&self.settings.domain),
+                    size,
+                    wanted = ?want,
+                    "the assigned GPUs do not have these devices free; choosing by myself (PreStartContainer will judge)"
+                ),
+            }
+        }
         let hint = self.pairing.take_hint(kind, now);
         let ids = preferred(
             &self.inventory.node,
@@ -181,8 +221,8 @@ impl Core {
         let parsed = parse_ids(kind, ids)?;
         let now = self.now();
         if kind == Kind::Memory {
-            let (uuid, _) = check_memory(&self.inventory.node, &parsed)?;
-            self.pairing.placed(Kind::Memory, &uuid, now);
+            let placed = check_memory(&self.inventory.node, &parsed)?;
+            self.pairing.placed(Kind::Memory, &placed.gpus[0], now);
             self.supersede(kind, ids);
             return Ok(Answer::default());
         }
@@ -236,6 +276,17 @@ impl Core {
         }
     }
 
+    /// What the container holding `held` has, as a [`Shape`] (its allocation's share per GPU
+    /// and its memory), unless this container was configured before (checked then).
+    pub fn unchecked_shape(&self, held: &Holdings) -> Option<Shape> {
+        let a = self.by_cores(&held.cores)?;
+        let same = a.owner.as_ref().is_some_and(|o| {
+            o.pod == held.pod && o.namespace == held.namespace && o.container == held.container
+        });
+        let memory = parse_ids(Kind::Memory, &held.memory).ok()?;
+        (!same).then(|| actual_shape(a, &memory))
+    }
+
     /// The allocation holding these `vcuda-core` IDs.
     pub fn by_cores(&self, cores: &[String]) -> Option<&Allocation> {
         self.allocs
@@ -243,9 +294,6 @@ impl Core {
             .find(|a| cores.iter().any(|c| a.cores.contains(c)))
     }
 
-    /// PreStartContainer: `held` is what PodResources says the container holds (`None`: it
-    /// lists no container with these devices), `pod_uid` what the kubelet's checkpoint says.
-    /// Writes the config the library reads; returns the allocation's id.
     /// PreStartContainer for an allocation already configured (the container's other
     /// resource, or a container restart): the kubelet cannot change a container's devices
     /// without a new Allocate, so there is nothing to check or write. Returns its id.
@@ -263,12 +311,33 @@ impl Core {
             .map(|a| a.id.clone())
     }
 
+    /// PreStartContainer: `held` is what PodResources says the container holds (`None`: it
+    /// lists no container with these devices), `pod_uid` what the kubelet's checkpoint says.
+    /// Writes the config the library reads; returns the allocation's id.
     pub fn pre_start(
         &mut self,
         kind: Kind,
         ids: &[String],
         held: Option<Holdings>,
         pod_uid: Option<String>,
+    ) -> Result<String, String> {
+        self.pre_start_with(kind, ids, held, pod_uid, None, None)
+    }
+
+    /// [`Core::pre_start`] with the pod as the API server shows it (`pod`): its
+    /// `vcuda.io/gpu-count` decides whether a split over GPUs is right, and its uid is the
+    /// owner's when the kubelet's checkpoint named none; `None`: no API server (a split is
+    /// refused). `assigned` is the scheduler's decision for the container
+    /// ([`crate::assign::effective`]): the devices must agree with it, unless this container
+    /// was configured before (it was checked then). `None`: nothing to agree with.
+    pub fn pre_start_with(
+        &mut self,
+        kind: Kind,
+        ids: &[String],
+        held: Option<Holdings>,
+        pod_uid: Option<String>,
+        pod: Option<&PodFacts>,
+        assigned: Option<Result<Vec<GpuShare>, String>>,
     ) -> Result<String, String> {
         let Some(held) = held else {
             return Err(format!(
@@ -289,11 +358,26 @@ impl Core {
             .map(|a| a.id.clone())
             .ok_or_else(|| format!("{}/{} container {}: its vcuda-core devices were not allocated by this manager (was its state directory {} lost?); delete the pod to allocate again", held.namespace, held.pod, held.container, self.settings.state_dir.display()))?;
         let alloc = &self.allocs[&id];
-        let quota = finish(&self.inventory.node, alloc, &held)?;
-        // The container's other resource, or a restart: nothing changed, nothing to write.
         let same = alloc.owner.as_ref().is_some_and(|o| {
             o.pod == held.pod && o.namespace == held.namespace && o.container == held.container
         });
+        if let (Some(p), Some(assigned), false) = (pod, assigned, same) {
+            let memory = parse_ids(Kind::Memory, &held.memory)?;
+            check_assignment(
+                p,
+                &held.container,
+                &assigned?,
+                &actual_shape(alloc, &memory),
+            )?;
+        }
+        let gpu_count = match pod.map(|p| &p.gpu_count) {
+            None => None,
+            Some(Ok(n)) => Some(*n),
+            Some(Err(e)) => return Err(e.clone()),
+        };
+        let quota = finish(&self.inventory.node, alloc, &held, gpu_count)?;
+        let pod_uid = pod_uid.or_else(|| pod.map(|p| p.uid.clone()).filter(|u| !u.is_empty()));
+        // The container's other resource, or a restart: nothing changed, nothing to write.
         if same && alloc.memory == held.memory && self.layout.config_file(&id).exists() {
             return Ok(id);
         }
@@ -397,6 +481,7 @@ impl Core {
     /// Forget an allocation whose container is gone, and its files.
     pub fn remove(&mut self, id: &str) -> Result<(), String> {
         if self.allocs.remove(id).is_some() {
+            self.changed.notify_one();
             self.journal.remove(id)?;
             match std::fs::remove_dir_all(self.layout.dir(id)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -543,6 +628,8 @@ mod tests {
             },
             gpus,
             numa: vec![None; 2],
+            models: vec!["NVIDIA A100-SXM4-40GB".into(); 2],
+            compute: vec!["8.0".into(); 2],
         };
         Core::open(settings, inventory).unwrap()
     }

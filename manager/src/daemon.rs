@@ -41,6 +41,7 @@ pub async fn run(settings: Settings) -> Result<()> {
             .join(", ")
     );
     let core = Core::open(settings.clone(), inventory.clone()).map_err(anyhow::Error::msg)?;
+    let api = crate::apiserver::connect(&settings).await?.map(Arc::new);
     let (health_tx, _) = watch::channel(vec![true; inventory.gpus.len()]);
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
@@ -51,10 +52,14 @@ pub async fn run(settings: Settings) -> Result<()> {
         prefetch_wanted: tokio::sync::Notify::new(),
         last_allocate: Mutex::new(Instant::now()),
         view: Default::default(),
+        api: api.clone(),
     });
     tokio::spawn(shared.clone().prefetch());
+    if let Some(api) = api {
+        tokio::spawn(api.publish_loop(shared.clone()));
+    }
     if let Some(addr) = settings.metrics_address {
-        let bound = crate::metrics::serve(addr, shared.view.clone(), node_name())
+        let bound = crate::metrics::serve(addr, shared.view.clone(), settings.node_name.clone())
             .await
             .with_context(|| {
                 format!("cannot serve metrics on {addr}; pick another --metrics-address, or off")
@@ -386,18 +391,4 @@ fn start_health(
             publish();
         }
     });
-}
-
-/// This node's name for gpu-manager's `node` label: `NODE_NAME` (set it from the downward
-/// API), else the host name.
-fn node_name() -> String {
-    std::env::var("NODE_NAME")
-        .ok()
-        .filter(|n| !n.is_empty())
-        .or_else(|| {
-            std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .ok()
-                .map(|h| h.trim().to_string())
-        })
-        .unwrap_or_default()
 }

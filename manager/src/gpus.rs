@@ -38,6 +38,10 @@ pub struct Inventory {
     pub node: Node,
     /// NUMA node of each GPU, if it has one (the kubelet's topology hint).
     pub numa: Vec<Option<i64>>,
+    /// NVML model name of each GPU (empty when NVML cannot say).
+    pub models: Vec<String>,
+    /// CUDA compute capability of each GPU, `major.minor` (empty when NVML cannot say).
+    pub compute: Vec<String>,
 }
 
 /// Find the GPUs, their memory, device minors and how they are connected.
@@ -45,8 +49,15 @@ pub fn discover(nvml: &Nvml) -> Result<Inventory, NvmlError> {
     let n = nvml.device_count()?;
     let mut gpus = Vec::new();
     let mut bus = Vec::new();
+    let (mut models, mut compute) = (Vec::new(), Vec::new());
     for i in 0..n {
         let d = nvml.device_by_index(i)?;
+        models.push(d.name().unwrap_or_default());
+        compute.push(
+            d.cuda_compute_capability()
+                .map(|c| format!("{}.{}", c.major, c.minor))
+                .unwrap_or_default(),
+        );
         gpus.push(Gpu {
             uuid: d.uuid()?,
             memory: d.memory_info()?.total,
@@ -90,7 +101,13 @@ pub fn discover(nvml: &Nvml) -> Result<Inventory, NvmlError> {
         memory: gpus.iter().map(|g| g.memory).collect(),
         links,
     };
-    Ok(Inventory { gpus, node, numa })
+    Ok(Inventory {
+        gpus,
+        node,
+        numa,
+        models,
+        compute,
+    })
 }
 
 /// PCI bus ids compare without case and whatever the domain's width.

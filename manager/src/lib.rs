@@ -3,6 +3,9 @@
 //! - [`ids`]: device IDs (GPU UUID + kind + index; stable, ≤ 63 characters);
 //! - [`placement`]: GetPreferredAllocation and Allocate validation;
 //! - [`allocation`]: what Allocate answers and what PreStartContainer finishes;
+//! - [`assign`]: following the scheduler: the pod being admitted, its assigned GPUs, the
+//!   agreement check, the published inventory and retired reservations (pure);
+//! - [`apiserver`]: the API server client and the inventory publisher (kube-rs);
 //! - [`settings`]: the settings file and flags;
 //! - [`gpus`]: NVML inventory, topology, XID health, process samples;
 //! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (pure parsers);
@@ -16,6 +19,8 @@
 //! - [`daemon`]: the tasks, registration, and surviving kubelet restarts.
 
 pub mod allocation;
+pub mod apiserver;
+pub mod assign;
 pub mod control;
 pub mod control_loop;
 pub mod core;

@@ -15,6 +15,10 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    // rustls' process-wide crypto provider for the API server client (kube-rs): installed
+    // explicitly, so a second provider in the dependency graph cannot make it panic. An error
+    // means one is installed already, which is fine.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

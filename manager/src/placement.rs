@@ -205,6 +205,9 @@ pub enum Cores {
     Share { uuid: String, percent: u32 },
     /// These GPUs whole, unthrottled.
     Whole { uuids: Vec<String> },
+    /// `percent` of each of these GPUs (a `vcuda.io/gpu-count` split; PreStartContainer
+    /// refuses it unless the pod asked for exactly this many GPUs).
+    Split { uuids: Vec<String>, percent: u32 },
 }
 
 /// Validate the `vcuda-core` IDs of one Allocate: 1..99 on one GPU, or 100 on each of n GPUs.
@@ -230,6 +233,13 @@ pub fn check_cores(ids: &[DeviceId]) -> Result<Cores, String> {
             percent,
         });
     }
+    let first = per.values().next().copied().unwrap_or(0);
+    if per.len() > 1 && first < CORES_PER_GPU && per.values().all(|&c| c == first) {
+        return Ok(Cores::Split {
+            uuids: per.keys().map(|u| u.to_string()).collect(),
+            percent: first,
+        });
+    }
     Err(if total == 0 {
         "vcuda-core: no devices were allocated".to_string()
     } else if !whole && total > CORES_PER_GPU {
@@ -240,16 +250,26 @@ pub fn check_cores(ids: &[DeviceId]) -> Result<Cores, String> {
         )
     } else {
         format!(
-            "vcuda-core {total} was split across {} GPUs by the kubelet ({}); a share must fit on one GPU: no GPU on this node has {total} % free",
+            "vcuda-core {total} was split unevenly across {} GPUs by the kubelet ({}); a share must fit on one GPU (or be split evenly with vcuda.io/gpu-count): no GPU on this node has {total} % free",
             per.len(),
             per.iter().map(|(u, c)| format!("{c} on {u}")).collect::<Vec<_>>().join(", ")
         )
     })
 }
 
-/// Validate the `vcuda-memory` IDs of one Allocate: all on one GPU. Returns the GPU and
-/// the quota in bytes.
-pub fn check_memory(node: &Node, ids: &[DeviceId]) -> Result<(String, u64), String> {
+/// Where a container's `vcuda-memory` landed: one GPU, or an even split over several.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryPlacement {
+    /// The GPUs (sorted by UUID).
+    pub gpus: Vec<String>,
+    /// Bytes on each.
+    pub per_gpu: u64,
+}
+
+/// Validate the `vcuda-memory` IDs of one Allocate: all on one GPU, or the same amount on
+/// each of several (a `vcuda.io/gpu-count` split, checked against the pod at
+/// PreStartContainer).
+pub fn check_memory(node: &Node, ids: &[DeviceId]) -> Result<MemoryPlacement, String> {
     let mut per: BTreeMap<&str, u64> = BTreeMap::new();
     for id in ids {
         if id.kind != Kind::Memory {
@@ -258,21 +278,82 @@ pub fn check_memory(node: &Node, ids: &[DeviceId]) -> Result<(String, u64), Stri
         *per.entry(id.uuid.as_str()).or_default() += 1;
     }
     let total: u64 = per.values().sum();
-    match per.len() {
-        0 => Err("vcuda-memory: no devices were allocated".to_string()),
-        1 => {
-            let (uuid, n) = per.into_iter().next().expect("one GPU");
-            Ok((uuid.to_string(), n * MEMORY_UNIT))
-        }
-        _ => {
-            let largest = node.memory.iter().copied().max().unwrap_or(0) / MEMORY_UNIT;
-            Err(format!(
-                "vcuda-memory {total} ({} MiB) does not fit on one GPU: the largest GPU on this node has {largest} units ({} MiB) and shares cannot span GPUs",
-                (total * MEMORY_UNIT) >> 20,
-                (largest * MEMORY_UNIT) >> 20
-            ))
-        }
+    let first = per.values().next().copied().unwrap_or(0);
+    if per.is_empty() {
+        return Err("vcuda-memory: no devices were allocated".to_string());
     }
+    if per.values().all(|&n| n == first) {
+        return Ok(MemoryPlacement {
+            gpus: per.keys().map(|u| u.to_string()).collect(),
+            per_gpu: first * MEMORY_UNIT,
+        });
+    }
+    let largest = node.memory.iter().copied().max().unwrap_or(0) / MEMORY_UNIT;
+    Err(format!(
+        "vcuda-memory {total} ({} MiB) does not fit on one GPU: the largest GPU on this node has {largest} units ({} MiB) and shares cannot span GPUs unevenly",
+        (total * MEMORY_UNIT) >> 20,
+        (largest * MEMORY_UNIT) >> 20
+    ))
+}
+
+/// GetPreferredAllocation when the scheduler (or the container's other resource) has
+/// decided the GPUs: `want` is `(GPU UUID, how many IDs on it)`. `None` when that cannot be
+/// honoured exactly (too few available there, a `must_include` elsewhere, sizes disagree):
+/// the caller then chooses by itself, and PreStartContainer judges the result.
+pub fn preferred_on(
+    kind: Kind,
+    available: &[DeviceId],
+    must_include: &[DeviceId],
+    size: usize,
+    want: &[(String, usize)],
+) -> Option<Vec<DeviceId>> {
+    if want.iter().map(|w| w.1).sum::<usize>() != size {
+        return None;
+    }
+    let mut chosen = Vec::with_capacity(size);
+    for (uuid, n) in want {
+        let mut here: Vec<&DeviceId> = must_include
+            .iter()
+            .filter(|d| &d.uuid == uuid && d.kind == kind)
+            .collect();
+        let mut rest: Vec<&DeviceId> = available
+            .iter()
+            .filter(|d| &d.uuid == uuid && d.kind == kind && !here.contains(d))
+            .collect();
+        rest.sort();
+        here.extend(rest);
+        if here.len() < *n {
+            return None;
+        }
+        chosen.extend(here.into_iter().take(*n).cloned());
+    }
+    must_include
+        .iter()
+        .all(|m| chosen.contains(m))
+        .then_some(chosen)
+}
+
+/// `n` distinct GPUs with at least `per_gpu` available IDs each, for a `vcuda.io/gpu-count`
+/// split chosen without the scheduler: GPUs in `prefer` first (where the container's other
+/// resource went), then the fullest that fit (best fit), lower index on ties.
+pub fn split_gpus(
+    node: &Node,
+    available: &[DeviceId],
+    n: usize,
+    per_gpu: usize,
+    prefer: &[String],
+) -> Option<Vec<(String, usize)>> {
+    let per = by_gpu(node, available);
+    let mut fit: Vec<usize> = (0..per.len())
+        .filter(|&g| per[g].len() >= per_gpu)
+        .collect();
+    fit.sort_by_key(|&g| (!prefer.contains(&node.uuids[g]), per[g].len(), g));
+    (fit.len() >= n).then(|| {
+        fit[..n]
+            .iter()
+            .map(|&g| (node.uuids[g].clone(), per_gpu))
+            .collect()
+    })
 }
 
 #[cfg(test)]
@@ -443,20 +524,66 @@ mod tests {
         let e = check_cores(&odd).unwrap_err();
         assert!(e.contains("150") && e.contains("multiple of 100"), "{e}");
         let split: Vec<DeviceId> = ids(0, 20).into_iter().chain(ids(1, 20)).collect();
-        let e = check_cores(&split).unwrap_err();
-        assert!(e.contains("one GPU"), "{e}");
+        assert_eq!(
+            check_cores(&split),
+            Ok(Cores::Split {
+                uuids: n.uuids.clone(),
+                percent: 20
+            }),
+            "an even split is for PreStartContainer to judge against vcuda.io/gpu-count"
+        );
+        let uneven: Vec<DeviceId> = ids(0, 20).into_iter().chain(ids(1, 30)).collect();
+        let e = check_cores(&uneven).unwrap_err();
+        assert!(e.contains("one GPU") && e.contains("unevenly"), "{e}");
     }
 
     #[test]
     fn memory_must_fit_one_gpu() {
         let n = node(2);
         let m0 = all_ids(&n.uuids[0], Kind::Memory, n.memory[0]);
-        let (u, bytes) = check_memory(&n, &m0[..16]).unwrap();
-        assert_eq!((u.as_str(), bytes), (n.uuids[0].as_str(), 4 << 30));
+        let m = check_memory(&n, &m0[..16]).unwrap();
+        assert_eq!(m.gpus, vec![n.uuids[0].clone()]);
+        assert_eq!(m.per_gpu, 4 << 30);
         let m1 = all_ids(&n.uuids[1], Kind::Memory, n.memory[1]);
         let big: Vec<DeviceId> = m0.iter().chain(m1[..10].iter()).cloned().collect();
         let e = check_memory(&n, &big).unwrap_err();
         assert!(e.contains("170") && e.contains("40960 MiB"), "{e}");
+        let even: Vec<DeviceId> = m0[..8].iter().chain(m1[..8].iter()).cloned().collect();
+        let m = check_memory(&n, &even).unwrap();
+        assert_eq!((m.gpus.len(), m.per_gpu), (2, 2 << 30));
+    }
+
+    #[test]
+    fn decided_gpus_are_honoured_exactly_or_not_at_all() {
+        let n = node(2);
+        let a = avail(&n, Kind::Core, &[70, 0]);
+        let want = vec![(n.uuids[1].clone(), 30)];
+        let p = preferred_on(Kind::Core, &a, &[], 30, &want).unwrap();
+        assert_eq!(gpus_of(&p), vec![n.uuids[1].clone()]);
+        assert_eq!(p.len(), 30);
+        // Only 30 left on GPU 0: 40 cannot be honoured there.
+        let want0 = vec![(n.uuids[0].clone(), 40)];
+        assert_eq!(preferred_on(Kind::Core, &a, &[], 40, &want0), None);
+        // A split: 25 on each.
+        let both = vec![(n.uuids[0].clone(), 25), (n.uuids[1].clone(), 25)];
+        let p = preferred_on(Kind::Core, &a, &[], 50, &both).unwrap();
+        assert_eq!(gpus_of(&p).len(), 2);
+        // Sizes that disagree, or a must-include elsewhere, are not honoured.
+        assert_eq!(preferred_on(Kind::Core, &a, &[], 31, &want), None);
+        let m = vec![a.iter().find(|d| d.uuid == n.uuids[0]).unwrap().clone()];
+        assert_eq!(preferred_on(Kind::Core, &a, &m, 30, &want), None);
+    }
+
+    #[test]
+    fn splits_without_the_scheduler_pick_fitting_gpus_preferring_the_other_resource() {
+        let n = node(3);
+        let a = avail(&n, Kind::Core, &[50, 0, 80]);
+        // 30 each on two GPUs: GPU 2 has only 20 left; best fit is GPU 0 (50) then GPU 1.
+        let s = split_gpus(&n, &a, 2, 30, &[]).unwrap();
+        assert_eq!(s, vec![(n.uuids[0].clone(), 30), (n.uuids[1].clone(), 30)]);
+        let s = split_gpus(&n, &a, 2, 20, &[n.uuids[1].clone(), n.uuids[2].clone()]).unwrap();
+        assert_eq!(s, vec![(n.uuids[2].clone(), 20), (n.uuids[1].clone(), 20)]);
+        assert_eq!(split_gpus(&n, &a, 3, 30, &[]), None);
     }
 
     proptest::proptest! {

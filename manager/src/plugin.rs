@@ -15,9 +15,12 @@ use vcuda_proto::deviceplugin::v1beta1 as dp;
 use vcuda_proto::podresources::v1 as pr;
 
 use crate::allocation::{Answer, Holdings};
+use crate::apiserver::ApiServer;
+use crate::assign::{self, Holds, PodFacts};
 use crate::core::Core;
-use crate::ids::{all_ids, Kind};
+use crate::ids::{all_ids, DeviceId, Kind};
 use crate::lookup::ListCache;
+use vcuda_cluster::{GpuShare, Reservations};
 
 /// What every service shares.
 pub struct Shared {
@@ -37,6 +40,8 @@ pub struct Shared {
     pub last_allocate: Mutex<Instant>,
     /// What `vcuda-smi` and `/metrics` show (the control loop replaces it every round).
     pub view: Arc<Mutex<vcuda_contract::view::View>>,
+    /// The API server, when the manager uses one.
+    pub api: Option<Arc<ApiServer>>,
 }
 
 /// How long Allocates must have been quiet before the manager lists PodResources ahead of
@@ -134,17 +139,22 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         &self,
         req: Request<dp::PreferredAllocationRequest>,
     ) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
+        let requests = req.into_inner().container_requests;
+        let decided = match &self.shared.api {
+            Some(api) => self.shared.decide(api, self.kind, &requests).await,
+            None => vec![None; requests.len()],
+        };
         let mut core = self.shared.core.lock();
-        let container_responses = req
-            .into_inner()
-            .container_requests
+        let container_responses = requests
             .into_iter()
-            .map(|c| dp::ContainerPreferredAllocationResponse {
-                device_i_ds: core.preferred(
+            .zip(decided)
+            .map(|(c, want)| dp::ContainerPreferredAllocationResponse {
+                device_i_ds: core.preferred_with(
                     self.kind,
                     &c.available_device_i_ds,
                     &c.must_include_device_i_ds,
                     c.allocation_size.max(0) as usize,
+                    want.as_deref(),
                 ),
             })
             .collect();
@@ -221,11 +231,18 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         let who = held
             .as_ref()
             .map(|h| format!("{}/{}/{}", h.namespace, h.pod, h.container));
-        let res = self
-            .shared
-            .core
-            .lock()
-            .pre_start(self.kind, &ids, held, None);
+        let (pod, assigned) = match (&self.shared.api, &held) {
+            (Some(api), Some(h)) => self.shared.follow(api, h).await,
+            _ => (None, None),
+        };
+        let res = self.shared.core.lock().pre_start_with(
+            self.kind,
+            &ids,
+            held,
+            None,
+            pod.as_ref(),
+            assigned,
+        );
         match res {
             Ok(id) => {
                 info!(allocation = %id, container = who.as_deref().unwrap_or("?"), us = t0.elapsed().as_micros() as u64, "container configured");
@@ -326,14 +343,26 @@ impl Shared {
                 }
             }
             drop(listing);
-            self.finish_ahead();
+            // With the API server, a container is configured only with its pod's
+            // annotations at hand (assignment, gpu-count).
+            let cluster = match &self.api {
+                Some(api) => match tokio::try_join!(api.node_pods(), api.reservations()) {
+                    Ok(c) => Some(c),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "not configuring ahead: PreStartContainer will read the pod");
+                        continue;
+                    }
+                },
+                None => None,
+            };
+            self.finish_ahead(cluster.as_ref().map(|(p, r)| (p.as_slice(), r.as_ref())));
         }
     }
 
     /// With a list as good as a fresh one, do PreStartContainer's work now for the
     /// allocations it shows (pair, config, region), so that PreStartContainer finds them
     /// done. What fails here is left for PreStartContainer to fail with its reason.
-    fn finish_ahead(&self) {
+    fn finish_ahead(&self, cluster: Option<(&[PodFacts], Option<&Reservations>)>) {
         // Hold the state lock throughout: Allocates record under it, so no allocation can
         // appear between checking the list and configuring from it (a list older than an
         // Allocate of the same cores would name the previous holder).
@@ -352,7 +381,24 @@ impl Shared {
                 continue;
             };
             let who = format!("{}/{}/{}", held.namespace, held.pod, held.container);
-            match core.pre_start(Kind::Core, &cores, Some(held), None) {
+            let pod = cluster.map(|(ps, _)| {
+                ps.iter()
+                    .find(|p| p.namespace == held.namespace && p.name == held.pod)
+            });
+            if pod == Some(None) {
+                continue; // bound after the list: PreStartContainer reads it
+            }
+            let pod = pod.flatten();
+            let assigned = pod.and_then(|p| {
+                assign::effective(
+                    p,
+                    &held.container,
+                    cluster.and_then(|c| c.1),
+                    &core.overrides,
+                )
+                .transpose()
+            });
+            match core.pre_start_with(Kind::Core, &cores, Some(held), None, pod, assigned) {
                 Ok(id) => {
                     info!(allocation = %id, container = %who, "container configured ahead of PreStartContainer")
                 }
@@ -361,6 +407,222 @@ impl Shared {
                 }
             }
         }
+    }
+}
+
+impl Shared {
+    /// With the API server: for each container of a GetPreferredAllocation, the GPUs the
+    /// answer should use (see [`assign::admitting`] and [`assign::wanted`]); `None` where the
+    /// manager chooses by itself (no pod found, the API server or PodResources not
+    /// answering).
+    pub async fn decide(
+        &self,
+        api: &ApiServer,
+        kind: Kind,
+        requests: &[dp::ContainerPreferredAllocationRequest],
+    ) -> Vec<Option<Vec<(String, usize)>>> {
+        let none = vec![None; requests.len()];
+        let node = self.core.lock().inventory.node.clone();
+        let (pods, reservations) = match tokio::try_join!(api.node_pods(), api.reservations()) {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "GetPreferredAllocation without the scheduler's assignments");
+                return none;
+            }
+        };
+        // Nothing to follow: no list needed.
+        if !pods.iter().any(|p| {
+            !p.finished && (p.assignment.is_some() || matches!(p.gpu_count, Ok(n) if n > 1))
+        }) {
+            return none;
+        }
+        let (holds, gpus_of) = match self.holds().await {
+            Ok(h) => h,
+            Err(e) => {
+                warn!(error = %e, "GetPreferredAllocation without PodResources: choosing by myself");
+                return none;
+            }
+        };
+        let other = match kind {
+            Kind::Core => Kind::Memory,
+            Kind::Memory => Kind::Core,
+        };
+        let core = self.core.lock();
+        requests
+            .iter()
+            .map(|r| {
+                let size = r.allocation_size.max(0) as u64;
+                let (p, c) = assign::admitting(&pods, &holds, kind, size)?;
+                let available: Vec<DeviceId> = r
+                    .available_device_i_ds
+                    .iter()
+                    .filter_map(|i| DeviceId::parse(i))
+                    .collect();
+                let went = gpus_of
+                    .get(&(p.namespace.clone(), p.name.clone(), c.name.clone(), other))
+                    .cloned()
+                    .unwrap_or_default();
+                let assigned =
+                    assign::effective(p, &c.name, reservations.as_ref(), &core.overrides)
+                        .ok()
+                        .flatten();
+                let want = assign::wanted(
+                    p,
+                    c,
+                    assigned.as_deref(),
+                    kind,
+                    &node,
+                    &available,
+                    &went,
+                );
+                tracing::debug!(pod = %format!("{}/{}", p.namespace, p.name), container = %c.name, ?want, "GetPreferredAllocation for");
+                want
+            })
+            .collect()
+    }
+
+    /// Who holds which of our resources now (a fresh PodResources list), and on which GPUs.
+    pub async fn holds(
+        &self,
+    ) -> Result<(Holds, HashMap<(String, String, String, Kind), Vec<String>>), String> {
+        let (socket, domain) = {
+            let core = self.core.lock();
+            (
+                core.settings.pod_resources_socket.clone(),
+                core.settings.domain.clone(),
+            )
+        };
+        let list = {
+            let _listing = self.listing.lock().await;
+            self.fresh_list(&socket).await?
+        };
+        let (core_name, mem_name) = (Kind::Core.resource(&domain), Kind::Memory.resource(&domain));
+        let mut holds = Holds::new();
+        let mut gpus_of: HashMap<(String, String, String, Kind), Vec<String>> = HashMap::new();
+        for p in &list.pod_resources {
+            for c in &p.containers {
+                for d in &c.devices {
+                    let k = if d.resource_name == core_name {
+                        Kind::Core
+                    } else if d.resource_name == mem_name {
+                        Kind::Memory
+                    } else {
+                        continue;
+                    };
+                    if d.device_ids.is_empty() {
+                        continue;
+                    }
+                    let key = (p.namespace.clone(), p.name.clone(), c.name.clone(), k);
+                    let g = gpus_of.entry(key.clone()).or_default();
+                    for id in d.device_ids.iter().filter_map(|i| DeviceId::parse(i)) {
+                        if !g.contains(&id.uuid) {
+                            g.push(id.uuid);
+                        }
+                    }
+                    holds.insert(key);
+                }
+            }
+        }
+        Ok((holds, gpus_of))
+    }
+
+    /// PreStartContainer with the API server: the pod, and the scheduler's decision its
+    /// container must agree with. When the devices disagree but an identical pending pod was
+    /// assigned exactly them (the kubelet admitted the two in another order than they were
+    /// bound), the two decisions are exchanged ([`assign::partner`]): this container's
+    /// decision becomes what it holds, the other pod's becomes this one's, and the publisher
+    /// writes the exchange into the Node's reservations.
+    pub async fn follow(
+        &self,
+        api: &ApiServer,
+        held: &Holdings,
+    ) -> (Option<PodFacts>, Option<Result<Vec<GpuShare>, String>>) {
+        let (pod, reservations) = match tokio::try_join!(
+            api.pod(&held.namespace, &held.pod),
+            api.reservations()
+        ) {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "PreStartContainer without the pod's annotations (assignment and gpu-count not checked)");
+                return (None, None);
+            }
+        };
+        let Some(pod) = pod else {
+            return (None, None);
+        };
+        let (assigned, actual) = {
+            let core = self.core.lock();
+            let assigned = assign::effective(
+                &pod,
+                &held.container,
+                reservations.as_ref(),
+                &core.overrides,
+            )
+            .transpose();
+            (assigned, core.unchecked_shape(held))
+        };
+        let (Some(Ok(x_assigned)), Some(actual)) = (&assigned, actual) else {
+            return (Some(pod), assigned);
+        };
+        if assign::shape(x_assigned) == actual {
+            return (Some(pod), assigned);
+        }
+        // A disagreement: is it an exchange with an identical pod?
+        let (pods, holds) = match tokio::try_join!(api.node_pods(), self.holds()) {
+            Ok((p, (h, _))) => (p, h),
+            Err(e) => {
+                warn!(error = %e, "cannot look for an identical pod to exchange with");
+                return (Some(pod), assigned);
+            }
+        };
+        let mut core = self.core.lock();
+        let models: HashMap<String, String> = core
+            .inventory
+            .gpus
+            .iter()
+            .zip(&core.inventory.models)
+            .map(|(g, m)| (g.uuid.clone(), m.clone()))
+            .collect();
+        let effective = |y: &PodFacts| {
+            assign::effective(
+                y,
+                &y.containers[0].name,
+                reservations.as_ref(),
+                &core.overrides,
+            )
+            .ok()
+            .flatten()
+        };
+        let model = |u: &str| models.get(u).cloned().unwrap_or_default();
+        let Some(y) = assign::partner(&pods, &holds, &pod, x_assigned, &actual, &effective, &model)
+        else {
+            return (Some(pod), assigned);
+        };
+        let gpu_memory = |u: &str| {
+            core.inventory
+                .gpus
+                .iter()
+                .find(|g| g.uuid == u)
+                .map_or(0, |g| g.memory)
+        };
+        // What this container holds, as shares (a whole GPU's memory is the GPU's).
+        let mine: Vec<GpuShare> = actual
+            .iter()
+            .map(|(u, &(c, b))| GpuShare {
+                uuid: u.clone(),
+                core_percent: c,
+                memory_bytes: if c >= 100 { gpu_memory(u) } else { b },
+            })
+            .collect();
+        info!(
+            pod = %format!("{}/{}", pod.namespace, pod.name),
+            with = %format!("{}/{}", y.namespace, y.name),
+            "the kubelet admitted two identical pods in another order than they were bound: their assignments are exchanged"
+        );
+        let y_uid = y.uid.clone();
+        core.overrides.insert(y_uid, x_assigned.clone());
+        core.changed.notify_one();
+        (Some(pod), Some(Ok(mine)))
     }
 }
 

@@ -81,6 +81,20 @@ pub struct Flags {
     /// Log filter (tracing's env-filter syntax), e.g. `info` or `vcuda_manager=debug`.
     #[arg(long, value_name = "FILTER")]
     pub log: Option<String>,
+    /// Whether to use the Kubernetes API server: `auto` uses it when a kubeconfig is given
+    /// or found (--kubeconfig, $KUBECONFIG, the in-cluster service account) and runs
+    /// without it otherwise; `on` refuses to start without it; `off` never uses it.
+    /// With it the manager publishes the node's GPUs (vcuda.io/gpus), follows the
+    /// scheduler's vcuda.io/assignment and allows vcuda.io/gpu-count splits [default: auto].
+    #[arg(long, value_name = "auto|on|off")]
+    pub api: Option<String>,
+    /// Kubeconfig file for the API server (default: in-cluster service account, then
+    /// $KUBECONFIG).
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name in the API server [default: $NODE_NAME, else the host name].
+    #[arg(long, value_name = "NAME")]
+    pub node_name: Option<String>,
 }
 
 /// The settings file.
@@ -103,6 +117,20 @@ struct File {
     core_limit: BTreeMap<String, u32>,
     metrics_address: Option<String>,
     log: Option<String>,
+    api: Option<String>,
+    kubeconfig: Option<PathBuf>,
+    node_name: Option<String>,
+}
+
+/// Whether the manager talks to the API server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApiMode {
+    /// When a kubeconfig is found.
+    Auto,
+    /// Always; no API server is a start-up error.
+    On,
+    /// Never.
+    Off,
 }
 
 /// The effective settings.
@@ -125,6 +153,10 @@ pub struct Settings {
     /// None: no metrics endpoint.
     pub metrics_address: Option<std::net::SocketAddr>,
     pub log: String,
+    pub api: ApiMode,
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name (for its Node object and the `node` metric label).
+    pub node_name: String,
 }
 
 /// Where the control socket sits inside `run_dir` (and, mounted, inside containers).
@@ -215,6 +247,29 @@ impl Settings {
                 .clone()
                 .or(file.log)
                 .unwrap_or_else(|| "info".into()),
+            api: match flags.api.clone().or(file.api).as_deref() {
+                None | Some("auto") => ApiMode::Auto,
+                Some("on") => ApiMode::On,
+                Some("off") => ApiMode::Off,
+                Some(other) => {
+                    return Err(format!(
+                        "--api {other:?}: expected auto (use the API server when a kubeconfig is found), on or off"
+                    ))
+                }
+            },
+            kubeconfig: flags.kubeconfig.clone().or(file.kubeconfig),
+            node_name: flags
+                .node_name
+                .clone()
+                .or(file.node_name)
+                .or_else(|| std::env::var("NODE_NAME").ok())
+                .filter(|n| !n.is_empty())
+                .or_else(|| {
+                    std::fs::read_to_string("/proc/sys/kernel/hostname")
+                        .ok()
+                        .map(|h| h.trim().to_string())
+                })
+                .unwrap_or_default(),
         })
     }
 

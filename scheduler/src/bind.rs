@@ -304,7 +304,9 @@ async fn bind_holding(
 
     // Bind, recording the assignment on the pod in the same write.
     let mut meta = json!({"name": args.pod_name, "namespace": args.pod_namespace, "uid": uid});
-    if let Some(a) = assignment.filter(|a| !a.containers.is_empty()) {
+    if let Some(mut a) = assignment.filter(|a| !a.containers.is_empty()) {
+        // The kubelet admits pods in bind order: the manager orders pending pods by this.
+        a.bound_unix_ms = Some(now_ms());
         meta["annotations"] =
             json!({ASSIGNMENT_ANNOTATION: serde_json::to_string(&a).unwrap_or_default()});
     }

@@ -269,6 +269,7 @@ impl Choice {
         Assignment {
             schema: SCHEMA,
             containers,
+            bound_unix_ms: None,
         }
     }
 

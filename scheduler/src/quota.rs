@@ -876,6 +876,7 @@ mod tests {
                 ),
                 ("ghost".to_string(), vec![share("G9", 10, 1)]),
             ]),
+            bound_unix_ms: None,
         };
         let inits = BTreeSet::from(["init".to_string()]);
         let model = |u: &str| match u {

@@ -9,6 +9,7 @@ pid, same start time).
 """
 
 import json
+import os
 import pathlib
 import shutil
 import signal
@@ -22,8 +23,9 @@ import pytest
 from conftest import LIB, ROOT, VCUDA_LIB
 
 RELEASE = ROOT / "target" / "release"
-MANAGER = RELEASE / "vcuda-manager"
-KUBELET_SIM = RELEASE / "kubelet-sim"
+# VCUDA_MANAGER_BIN / KUBELET_SIM_BIN run binaries built elsewhere (e.g. another CARGO_TARGET_DIR).
+MANAGER = pathlib.Path(os.environ.get("VCUDA_MANAGER_BIN", RELEASE / "vcuda-manager"))
+KUBELET_SIM = pathlib.Path(os.environ.get("KUBELET_SIM_BIN", RELEASE / "kubelet-sim"))
 DOMAIN = "tencent.com"
 CORE = f"{DOMAIN}/vcuda-core"
 MEMORY = f"{DOMAIN}/vcuda-memory"
@@ -76,6 +78,10 @@ class Node:
 
     def start_manager(self, *extra):
         env = dict(self.sim.env)
+        # No API server unless the test gives one: a $KUBECONFIG or an in-cluster service
+        # account on the machine running the tests must not make the manager use it.
+        if not any(str(a) in ("--api", "--kubeconfig") for a in extra):
+            extra = ("--api", "off", *extra)
         self.manager = subprocess.Popen(
             [MANAGER, "--device-plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket,
              "--state-dir", self.state, "--run-dir", self.run_dir, "--library", VCUDA_LIB,
@@ -120,7 +126,8 @@ class Node:
     def status(self):
         return self.ksim_cmd("status")
 
-    def admit(self, pod, core=None, memory=None, namespace="default", container="main", start=True):
+    def admit(self, pod, core=None, memory=None, namespace="default", container="main", start=True, uid=None):
+        """uid: the pod's uid as an API server gave it (default: kubelet-sim makes one up)."""
         res = []
         if core is not None:
             res.append(f"{CORE}={core}")
@@ -129,6 +136,8 @@ class Node:
         args = ["admit", "--pod", pod, "--namespace", namespace, "--container", f"{container}:{','.join(res)}"]
         if not start:
             args.append("--no-start")
+        if uid is not None:
+            args += ["--uid", uid]
         return self.ksim_cmd(*args)
 
     def pod_uid(self, pod, namespace="default"):

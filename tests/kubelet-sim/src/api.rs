@@ -28,6 +28,10 @@ pub struct AdmitRequest {
     /// Start every container (PreStartContainer) once admitted, as the pod worker would.
     #[serde(default = "yes")]
     pub start: bool,
+    /// The pod's uid, as the API server assigned it (`metadata.uid`). Absent: kubelet-sim
+    /// makes one up. Used everywhere the kubelet uses the uid (checkpoint, status).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,11 +56,18 @@ impl AdmitRequest {
             namespace: default_namespace(),
             containers,
             start: true,
+            uid: None,
         }
     }
 
     pub fn no_start(mut self) -> Self {
         self.start = false;
+        self
+    }
+
+    /// The pod's uid as the API server gave it (instead of one kubelet-sim makes up).
+    pub fn with_uid(mut self, uid: &str) -> Self {
+        self.uid = Some(uid.to_string());
         self
     }
 }
@@ -271,5 +282,14 @@ mod tests {
             serde_json::from_str(r#"{"pod":"p","containers":[{"name":"c"}]}"#).unwrap();
         assert_eq!(r.namespace, "default");
         assert!(r.start);
+        assert_eq!(r.uid, None);
+        let r: AdmitRequest = serde_json::from_str(
+            r#"{"pod":"p","uid":"6f1c0a52-0000-4000-8000-000000000001","containers":[{"name":"c"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.uid.as_deref(),
+            Some("6f1c0a52-0000-4000-8000-000000000001")
+        );
     }
 }

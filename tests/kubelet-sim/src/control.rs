@@ -7,6 +7,7 @@
 //! {"op":"status"}
 //! {"op":"admit","pod":"p","namespace":"default","start":true,
 //!  "containers":[{"name":"main","resources":[{"resource":"tencent.com/vcuda-core","quantity":50}]}]}
+//! {"op":"admit","pod":"p","uid":"<the API server's metadata.uid>","containers":[{"name":"main"}]}
 //! {"op":"start-container","pod":"p","namespace":"default","container":"main"}
 //! {"op":"delete","pod":"p","namespace":"default"}
 //! {"op":"restart"}
@@ -263,8 +264,13 @@ mod tests {
         )
         .unwrap();
         assert!(
-            matches!(r, Request::Admit(a) if a.start && a.containers[0].resources[0].quantity == 2)
+            matches!(r, Request::Admit(a) if a.start && a.uid.is_none() && a.containers[0].resources[0].quantity == 2)
         );
+        let r: Request = serde_json::from_str(
+            r#"{"op":"admit","pod":"p","uid":"u-1","containers":[{"name":"c"}]}"#,
+        )
+        .unwrap();
+        assert!(matches!(r, Request::Admit(a) if a.uid.as_deref() == Some("u-1")));
         assert_eq!(
             serde_json::to_string(&Request::WaitRegistered {
                 resource: "a.com/x".into(),

@@ -79,6 +79,9 @@ enum Command {
         /// Only admit (allocate); start containers later with start-container.
         #[arg(long)]
         no_start: bool,
+        /// The pod's uid as the API server assigned it (default: kubelet-sim makes one up).
+        #[arg(long)]
+        uid: Option<String>,
     },
     /// Start or restart a container: PreStartContainer for each resource whose plugin asks
     /// for it; no new Allocate. Exits 1 if the start failed.
@@ -166,6 +169,7 @@ async fn main() -> Result<()> {
             namespace,
             containers,
             no_start,
+            uid,
         } => (
             control,
             Request::Admit(AdmitRequest {
@@ -173,6 +177,7 @@ async fn main() -> Result<()> {
                 namespace,
                 containers,
                 start: !no_start,
+                uid,
             }),
         ),
         Command::StartContainer {

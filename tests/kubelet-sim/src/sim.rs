@@ -727,8 +727,24 @@ impl Simulator {
                     pod: req.pod,
                 });
             }
-            st.next_uid += 1;
-            let uid = format!("00000000-0000-4000-8000-{:012x}", st.next_uid);
+            let uid = match &req.uid {
+                Some(uid) => {
+                    if let Some(p) = st.pods.iter().find(|p| &p.uid == uid) {
+                        return Err(SimError::InvalidPod(format!(
+                            "uid {uid} is already pod {}/{}'s; a pod's uid is unique",
+                            p.namespace, p.name
+                        )));
+                    }
+                    uid.clone()
+                }
+                None => loop {
+                    st.next_uid += 1;
+                    let uid = format!("00000000-0000-4000-8000-{:012x}", st.next_uid);
+                    if !st.pods.iter().any(|p| p.uid == uid) {
+                        break uid;
+                    }
+                },
+            };
             st.pods.push(Pod {
                 uid: uid.clone(),
                 name: req.pod.clone(),
@@ -1259,6 +1275,18 @@ fn validate(req: &AdmitRequest) -> Result<(), SimError> {
     let bad = |m: String| Err(SimError::InvalidPod(m));
     if req.pod.is_empty() || req.namespace.is_empty() {
         return bad("pod name and namespace must not be empty".into());
+    }
+    if let Some(uid) = &req.uid {
+        // It names the pod's cgroup and checkpoint entries: no path separators, no blanks.
+        if uid.is_empty()
+            || !uid
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return bad(format!(
+                "uid {uid:?} must be non-empty and only letters, digits, '-' and '_' (a UUID)"
+            ));
+        }
     }
     if req.containers.is_empty() {
         return bad(format!(

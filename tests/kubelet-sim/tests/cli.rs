@@ -132,6 +132,24 @@ async fn serve_and_drive_it_from_the_command_line() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("delete it first"), "{}", stderr(&o));
 
+    let o = run(
+        &control,
+        &[
+            "admit",
+            "--pod",
+            "u",
+            "--uid",
+            "0b9d-api-uid",
+            "--container",
+            "main",
+        ],
+    )
+    .await;
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(json(&o)["uid"], "0b9d-api-uid");
+    let o = run(&control, &["delete", "--pod", "u"]).await;
+    assert!(o.status.success(), "{}", stderr(&o));
+
     let big = format!("main:{CORE}=3");
     let o = run(
         &control,

@@ -1009,3 +1009,61 @@ async fn the_sandbox_time_separates_admission_from_start() {
         .collect();
     assert_eq!(kinds, [false, true], "Allocate, then PreStartContainer");
 }
+
+/// The pod's uid comes from the API server (`metadata.uid`) when the admission names it: the
+/// checkpoint, the status and a kubelet restart all keep that uid; another pod cannot take it.
+/// Without one kubelet-sim makes one up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_servers_pod_uid_is_used_when_given() {
+    const UID: &str = "5f0e8a36-1c2b-4d7e-9a41-0b6c3d2e1f70";
+    let env = Env::new();
+    let _core = env
+        .registered(
+            CORE,
+            "core.sock",
+            Script::with_options(true, false),
+            devs("c", 4),
+        )
+        .await;
+    let a = env
+        .sim
+        .admit(pod("p1", &[("main", &[(CORE, 1)])]).with_uid(UID))
+        .await
+        .unwrap();
+    assert!(a.admitted && a.containers[0].start.as_ref().unwrap().started);
+    assert_eq!(a.uid, UID);
+    let made_up = env
+        .sim
+        .admit(pod("p2", &[("main", &[(CORE, 1)])]))
+        .await
+        .unwrap();
+    assert_ne!(made_up.uid, UID);
+    assert!(!made_up.uid.is_empty());
+
+    let cp: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(env.sim.checkpoint_path()).unwrap()).unwrap();
+    let uids: BTreeSet<&str> = cp["Data"]["PodDeviceEntries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["PodUID"].as_str().unwrap())
+        .collect();
+    assert_eq!(uids, BTreeSet::from([UID, made_up.uid.as_str()]));
+
+    let dup = env
+        .sim
+        .admit(pod("p3", &[("main", &[(CORE, 1)])]).with_uid(UID))
+        .await
+        .unwrap_err();
+    assert!(dup.to_string().contains("already pod default/p1"), "{dup}");
+    let bad = env
+        .sim
+        .admit(pod("p4", &[("main", &[(CORE, 1)])]).with_uid("../x"))
+        .await
+        .unwrap_err();
+    assert!(bad.to_string().contains("uid"), "{bad}");
+    assert_eq!(env.sim.status().pods.len(), 2, "refused pods are not kept");
+
+    env.sim.restart().await.unwrap();
+    assert_eq!(env.sim.status().pod("default", "p1").unwrap().uid, UID);
+}
