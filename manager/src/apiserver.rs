@@ -149,8 +149,34 @@ impl ApiServer {
             .map_err(|e| format!("cannot read pod {namespace}/{name}: {e}"))
     }
 
+    /// At shutdown: publish every GPU as unhealthy, so that the scheduler sends no pod here
+    /// while no device plugin answers the kubelet (it would be refused at admission). The
+    /// next manager publishes the real health at start. Bounded: a shutdown never waits on
+    /// the API server for more than 2 s.
+    pub async fn withdraw(&self, shared: &Shared) {
+        let attempt = async {
+            for _ in 0..ATTEMPTS {
+                match self.publish_once_as(shared, true).await {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+            Err("the node kept changing".to_string())
+        };
+        match tokio::time::timeout(Duration::from_secs(2), attempt).await {
+            Ok(Ok(())) => info!(node = %self.node, "vcuda.io/gpus marked unhealthy until the manager is back"),
+            Ok(Err(e)) => warn!(error = %e, "cannot mark the GPUs unhealthy at shutdown"),
+            Err(_) => warn!("cannot mark the GPUs unhealthy at shutdown: the API server did not answer in 2 s"),
+        }
+    }
+
     /// Publish once: `Ok(true)` written or nothing to write, `Ok(false)` conflict (retry).
     async fn publish_once(&self, shared: &Shared) -> Result<bool, String> {
+        self.publish_once_as(shared, false).await
+    }
+
+    async fn publish_once_as(&self, shared: &Shared, down: bool) -> Result<bool, String> {
         let pods = self.node_pods().await?;
         let nodes: Api<KNode> = Api::all(self.client.clone());
         let node = nodes.get(&self.node).await.map_err(|e| match &e {
@@ -172,7 +198,10 @@ impl ApiServer {
         };
         // Reservations left on the Node after this write (an override of any other is done).
         let mut published: Vec<String> = Vec::new();
-        let health = shared.health.borrow().clone();
+        let mut health = shared.health.borrow().clone();
+        if down {
+            health.iter_mut().for_each(|h| *h = false);
+        }
         // An allocation PreStartContainer has not finished counts only while the kubelet still
         // holds its devices: an admission that failed after Allocate leaves one behind until
         // garbage collection. (Its pod's reservation counts it meanwhile.)

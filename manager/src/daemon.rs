@@ -124,6 +124,9 @@ pub async fn run(settings: Settings) -> Result<()> {
         plugins.stop().await;
         let Some(why) = outcome else {
             info!("shutting down");
+            if let Some(api) = &shared.api {
+                api.withdraw(&shared).await;
+            }
             stop.store(true, Ordering::Relaxed);
             return Ok(());
         };
@@ -134,6 +137,9 @@ pub async fn run(settings: Settings) -> Result<()> {
             _ = kubelet_ready(&dir) => {}
             _ = &mut shutdown => {
                 info!("shutting down");
+                if let Some(api) = &shared.api {
+                    api.withdraw(&shared).await;
+                }
                 stop.store(true, Ordering::Relaxed);
                 return Ok(());
             }

@@ -759,14 +759,21 @@ def test_a_manager_restart_during_scheduling(cluster):
     for i, n in enumerate(names):
         cluster.create_pod(n, [("main", *MIX[i % len(MIX)])])
 
+    def healthy(node):
+        return [g["healthy"] for g in annotation(cluster.api.node(node.name), INVENTORY)["gpus"]]
+
     def restart_manager(node):
         node.stop_manager()
+        # A stopping manager marks its GPUs unhealthy, so the scheduler sends no pod to a
+        # node whose kubelet would refuse it for want of a device plugin.
+        assert not any(healthy(node)), "the GPUs of a node without its manager still look usable"
         wait_for("the kubelet to see the plugin gone",
                  lambda: all(r["state"] == "stopped" for r in node.status()["resources"]), timeout=10)
-        # Let the scheduler, which still sees the node's last inventory, send a pod here meanwhile.
+        # A scheduler could still hold the node's last inventory (node cache, 2 s).
         bound_meanwhile(cluster, node.name, len(cluster.api.pods(node.name)))
         node.restart_manager()
         node.wait_registered(timeout=15)
+        wait_for("the restarted manager to publish its GPUs healthy", lambda: all(healthy(node)), timeout=15)
 
     results, disturbed = schedule_concurrently(cluster, names, restart_manager)
     judge_after_disruption(cluster, names, results, disturbed)
