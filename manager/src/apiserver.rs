@@ -165,9 +165,13 @@ impl ApiServer {
             Err("the node kept changing".to_string())
         };
         match tokio::time::timeout(Duration::from_secs(2), attempt).await {
-            Ok(Ok(())) => info!(node = %self.node, "vcuda.io/gpus marked unhealthy until the manager is back"),
+            Ok(Ok(())) => {
+                info!(node = %self.node, "vcuda.io/gpus marked unhealthy until the manager is back")
+            }
             Ok(Err(e)) => warn!(error = %e, "cannot mark the GPUs unhealthy at shutdown"),
-            Err(_) => warn!("cannot mark the GPUs unhealthy at shutdown: the API server did not answer in 2 s"),
+            Err(_) => warn!(
+                "cannot mark the GPUs unhealthy at shutdown: the API server did not answer in 2 s"
+            ),
         }
     }
 
