@@ -302,19 +302,22 @@ pub fn finish(
         None if n == 1 => {}
         None => {
             return Err(format!(
-                "{who}: vcuda-core landed on {n} GPUs ({}); a share spans GPUs only for a pod annotated vcuda.io/gpu-count: \"{n}\", which this manager could not read (it runs without the API server, or the API server did not answer: see its log; it needs --kubeconfig or an in-cluster service account). Delete the pod to retry",
+                "{who}: vcuda-core {} landed on {n} GPUs ({}); a share spans GPUs only for a pod annotated vcuda.io/gpu-count: \"{n}\", which this manager could not read (it runs without the API server, or the API server did not answer: see its log; it needs --kubeconfig or an in-cluster service account). Delete the pod to retry",
+                alloc.percent * n,
                 cores_on()
             ))
         }
         Some(1) => {
             return Err(format!(
-                "{who}: vcuda-core was split over {n} GPUs ({}) but the pod does not ask for vcuda.io/gpu-count; no GPU on this node had the whole share free. Delete the pod to retry (the scheduler extender prevents this)",
+                "{who}: vcuda-core {} was split over {n} GPUs ({}) but the pod does not ask for vcuda.io/gpu-count; no GPU on this node had the whole share free. Delete the pod to retry (the scheduler extender prevents this)",
+                alloc.percent * n,
                 cores_on()
             ))
         }
         Some(k) => {
             return Err(format!(
-                "{who}: the pod asks for vcuda.io/gpu-count: \"{k}\" but its vcuda-core landed on {n} GPU(s) ({}); delete the pod to retry (the scheduler extender places such pods)",
+                "{who}: the pod asks for vcuda.io/gpu-count: \"{k}\" but its vcuda-core {} landed on {n} GPU(s) ({}); delete the pod to retry (the scheduler extender places such pods)",
+                alloc.percent * n,
                 cores_on()
             ))
         }

@@ -244,7 +244,7 @@ pub fn check_cores(ids: &[DeviceId]) -> Result<Cores, String> {
         "vcuda-core: no devices were allocated".to_string()
     } else if !whole && total > CORES_PER_GPU {
         format!(
-            "vcuda-core {total} is neither a share of one GPU (1 to 99) nor whole GPUs (a multiple of 100); request e.g. {} or {}",
+            "vcuda-core {total} is neither a share of one GPU (1 to 99) nor whole GPUs (a multiple of 100); request e.g. {} or {}, or split it evenly over N GPUs with the pod annotation vcuda.io/gpu-count: \"N\" (which needs vcuda-manager's API server access)",
             total / CORES_PER_GPU * CORES_PER_GPU,
             (total / CORES_PER_GPU + 1) * CORES_PER_GPU
         )
