@@ -14,8 +14,10 @@
 //! **What is measured.** Only what real hardware offers: NVML's per-process utilization
 //! samples (integer percent of one sample period, ~1/6 s) for this process's pid. A sample
 //! says how much device time the process actually got in that period; the bucket says how
-//! many tokens the process paid in the same period. [`Calibrator`] keeps the ratio
-//! `busy / paid` over the last few samples and rescales the cost per launch by it.
+//! many tokens, hence launches, the process paid in the same period. [`Calibrator`]
+//! estimates the cost per launch as `busy / launches` over the last second of samples (a
+//! window, so work paid in one period and run in the next is counted once) and moves the
+//! estimate towards it.
 //!
 //! **Why it settles and stays.** Paid tokens per second equal the rate whenever the process
 //! is throttled. If the cost estimate is `k` times the true cost, the process gets
@@ -82,19 +84,29 @@ pub const MAX_COST_NS: f64 = 10_000_000_000.0;
 #[derive(Debug, Clone, Copy)]
 struct Evidence {
     busy_ns: f64,
-    paid_ns: f64,
+    /// Launches paid in the period: tokens paid over the cost estimate in force.
+    launches: f64,
     span_ns: f64,
 }
 
 /// Learns the device time one launch costs from NVML samples.
+///
+/// It keeps the last [`WINDOW_SAMPLES`] samples, each as device time used and launches paid
+/// (tokens paid over the estimate then in force), and estimates the cost as `busy /
+/// launches` over them: an absolute estimate, so each new sample moves the cost towards it
+/// without compounding earlier corrections. Work paid in one period runs partly in the next
+/// (the queue drains after a burst): a window that holds both counts it once, on the right
+/// side; an estimate from short batches cleared after each update saw that lag as
+/// alternately too cheap and too dear, and since corrections multiply, `(1 - x)(1 + x) < 1`
+/// dragged the cost down at every burst.
 #[derive(Debug, Clone)]
 pub struct Calibrator {
     cost_ns: f64,
     /// (wall µs, total paid ns) recorded at each controller tick.
     paid: VecDeque<(u64, u64)>,
     evidence: VecDeque<Evidence>,
-    /// Wall time the evidence of the last update covered, ns.
-    span_ns: f64,
+    /// Samples added since the last update (an update needs a new one).
+    fresh: usize,
 }
 
 impl Default for Calibrator {
@@ -109,7 +121,7 @@ impl Calibrator {
             cost_ns: cost_ns.clamp(MIN_COST_NS, MAX_COST_NS),
             paid: VecDeque::new(),
             evidence: VecDeque::new(),
-            span_ns: 0.0,
+            fresh: 0,
         }
     }
 
@@ -155,12 +167,13 @@ impl Calibrator {
         let busy = f64::from(util_pct.min(100)) / 100.0 * period_us as f64 * 1000.0;
         self.evidence.push_back(Evidence {
             busy_ns: busy,
-            paid_ns: paid,
+            launches: paid / self.cost_ns,
             span_ns: period_us as f64 * 1000.0,
         });
-        while self.evidence.len() > MAX_SAMPLES {
+        while self.evidence.len() > WINDOW_SAMPLES {
             self.evidence.pop_front();
         }
+        self.fresh += 1;
         true
     }
 
@@ -169,52 +182,50 @@ impl Calibrator {
     pub fn set_cost(&mut self, cost_ns: f64) {
         self.cost_ns = cost_ns.clamp(MIN_COST_NS, MAX_COST_NS);
         self.evidence.clear();
+        self.fresh = 0;
     }
 
-    /// Rescale the cost by what the evidence says, once there is enough of it; returns the
-    /// (possibly unchanged) cost.
+    /// Move the cost towards what the window says, once per new sample and once there is
+    /// enough evidence; returns the (possibly unchanged) cost.
     ///
-    /// Enough means at least [`MIN_SAMPLES`] samples and payments worth [`MIN_LAUNCHES`]
-    /// launches (a kernel paid for at the end of one period runs in the next, so fewer would
-    /// mostly measure that lag), or [`MAX_SAMPLES`] samples whatever was paid. Each step
-    /// moves the cost by at most 4× either way.
+    /// Enough means at least [`MIN_SAMPLES`] samples and [`MIN_LAUNCHES`] launches paid in
+    /// the window (idle windows say nothing). Each step moves the cost by at most 4× either
+    /// way, damped, and less when the window holds few launches.
     pub fn update(&mut self) -> f64 {
-        let n = self.evidence.len();
-        self.span_ns = self.evidence.iter().map(|e| e.span_ns).sum();
-        let busy: f64 = self.evidence.iter().map(|e| e.busy_ns).sum();
-        let paid: f64 = self.evidence.iter().map(|e| e.paid_ns).sum();
-        let enough = (n >= MIN_SAMPLES && paid >= MIN_LAUNCHES * self.cost_ns) || n >= MAX_SAMPLES;
-        if !enough {
+        if self.fresh == 0 {
             return self.cost_ns;
         }
-        self.evidence.clear();
-        if paid <= 0.0 {
-            return self.cost_ns; // idle: nothing to learn
+        let n = self.evidence.len();
+        let busy: f64 = self.evidence.iter().map(|e| e.busy_ns).sum();
+        let launches: f64 = self.evidence.iter().map(|e| e.launches).sum();
+        let span: f64 = self.evidence.iter().map(|e| e.span_ns).sum();
+        if n < MIN_SAMPLES || launches < MIN_LAUNCHES {
+            return self.cost_ns;
         }
-        let mut ratio = (busy.max(0.0) / paid).clamp(0.25, 4.0);
-        // A device kept (nearly) fully busy by this process cannot show more: busy/paid is
-        // then only a lower bound on the true ratio, and work admitted too cheaply is piling
-        // up. Correct hard.
-        let span: f64 = self.span_ns;
+        self.fresh = 0;
+        let mut ratio = (busy.max(0.0) / launches / self.cost_ns).clamp(0.25, 4.0);
+        // A device kept (nearly) fully busy by this process cannot show more: busy/launches
+        // is then only a lower bound on the true cost, and work admitted too cheaply is
+        // piling up. Correct hard.
         if span > 0.0 && busy >= 0.95 * span && ratio > 1.0 {
             ratio = (ratio * 2.0).min(4.0);
         }
-        // Damped, so one rounded sample cannot swing it, and more so when the evidence covers
-        // few launches (each one paid in one period may run in the next).
-        let weight = (paid / (FULL_EVIDENCE_LAUNCHES * self.cost_ns)).min(1.0);
+        // Damped, so one rounded sample cannot swing it, and more so when the window covers
+        // few launches.
+        let weight = (launches / FULL_EVIDENCE_LAUNCHES).min(1.0);
         self.cost_ns = (self.cost_ns * ratio.powf(0.8 * weight)).clamp(MIN_COST_NS, MAX_COST_NS);
         self.cost_ns
     }
 }
 
-/// Evidence an update needs: samples, and launches' worth of payments.
+/// Samples the estimate is taken over (~1 s of NVML periods).
+pub const WINDOW_SAMPLES: usize = 6;
+/// Evidence an update needs: samples, and launches paid.
 pub const MIN_SAMPLES: usize = 2;
 pub const MIN_LAUNCHES: f64 = 3.0;
-/// Evidence worth this many launches moves the cost by the full (damped) step; less moves it
+/// A window with this many launches moves the cost by the full (damped) step; fewer move it
 /// proportionally less.
 pub const FULL_EVIDENCE_LAUNCHES: f64 = 30.0;
-/// After this many samples an update happens whatever was paid.
-pub const MAX_SAMPLES: usize = 12;
 
 /// Headroom an elastic process leaves on the device (fraction): it grows into idle capacity
 /// only up to `1 - MARGIN`, so a neighbour starting work finds the device not saturated.
@@ -302,6 +313,41 @@ mod tests {
         }
         c.sample(166_667, 166_667, 0);
         assert_eq!(c.update(), 1_000_000.0);
+    }
+
+    #[test]
+    fn bursts_with_a_draining_tail_keep_the_true_cost() {
+        // The true cost is the estimate (1 ms). On-phases of 6 NVML periods at 25 %, the last
+        // 8 ms paid in a period running in the next; then the tail drains in the first idle
+        // period and 2 more idle periods follow. Batches cleared after each update once saw
+        // every burst's start as too cheap and its end as too dear, and the cost fell ~3 %
+        // a burst (a bursty tenant then got 30-40 % on a 25 % share in some seconds).
+        let p = 166_667u64;
+        let (pay, tail) = (p * 1000 / 4, 8_000_000u64);
+        let mut c = Calibrator::new(1_000_000.0);
+        let (mut t, mut total) = (0u64, 0u64);
+        c.record_paid(t, total);
+        let mut step = |c: &mut Calibrator, paid: u64, busy: u64| {
+            for _ in 0..3 {
+                c.update(); // the controller ticks between samples
+            }
+            t += p;
+            total += paid;
+            c.record_paid(t, total);
+            c.sample(t, p, ((busy * 100 + p * 500) / (p * 1000)) as u32);
+            c.update();
+        };
+        for _ in 0..30 {
+            for k in 0..6 {
+                let busy = if k == 0 { pay - tail } else { pay };
+                step(&mut c, pay, busy);
+            }
+            step(&mut c, 0, tail);
+            step(&mut c, 0, 0);
+            step(&mut c, 0, 0);
+            let cost = c.cost_ns();
+            assert!((cost - 1e6).abs() < 0.1e6, "cost drifted to {cost:.0} ns");
+        }
     }
 
     #[test]
