@@ -101,6 +101,13 @@ impl Allocation {
     pub fn finished(&self) -> bool {
         self.owner.is_some()
     }
+
+    /// Whether it was configured for the container holding `held` (checked then).
+    pub fn owned_by(&self, held: &Holdings) -> bool {
+        self.owner.as_ref().is_some_and(|o| {
+            o.pod == held.pod && o.namespace == held.namespace && o.container == held.container
+        })
+    }
 }
 
 /// The host side of an allocation's files. The checkpoint and the preload file live in

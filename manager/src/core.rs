@@ -280,9 +280,7 @@ impl Core {
     /// and its memory), unless this container was configured before (checked then).
     pub fn unchecked_shape(&self, held: &Holdings) -> Option<Shape> {
         let a = self.by_cores(&held.cores)?;
-        let same = a.owner.as_ref().is_some_and(|o| {
-            o.pod == held.pod && o.namespace == held.namespace && o.container == held.container
-        });
+        let same = a.owned_by(held);
         let memory = parse_ids(Kind::Memory, &held.memory).ok()?;
         (!same).then(|| actual_shape(a, &memory))
     }
@@ -358,9 +356,7 @@ impl Core {
             .map(|a| a.id.clone())
             .ok_or_else(|| format!("{}/{} container {}: its vcuda-core devices were not allocated by this manager (was its state directory {} lost?); delete the pod to allocate again", held.namespace, held.pod, held.container, self.settings.state_dir.display()))?;
         let alloc = &self.allocs[&id];
-        let same = alloc.owner.as_ref().is_some_and(|o| {
-            o.pod == held.pod && o.namespace == held.namespace && o.container == held.container
-        });
+        let same = alloc.owned_by(&held);
         if let (Some(p), Some(assigned), false) = (pod, assigned, same) {
             let memory = parse_ids(Kind::Memory, &held.memory)?;
             check_assignment(
