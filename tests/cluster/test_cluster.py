@@ -670,11 +670,26 @@ def bound_meanwhile(cluster, node, before, timeout=5):
         return False
 
 
-def judge_after_disruption(cluster, names, results, disturbed=None):
+def retry_refused(cluster, names, results):
+    """kube-scheduler keeps pods it could not place in its unschedulable queue and tries them
+    again once the cluster changes: after the disruption is over, try each refused pod once more.
+    Returns the names that were bound now (they met a recovered cluster, so they must run)."""
+    retried = set()
+    for name in names:
+        if results[name][0] is None:
+            results[name] = cluster.schedule(name, replica=len(retried))
+            if results[name][0] is not None:
+                retried.add(name)
+    return retried
+
+
+def judge_after_disruption(cluster, names, results, disturbed=None, retried=frozenset()):
     """Every pod runs or was refused with a reason; only pods bound to the disturbed node may have
     been refused after binding, and never for disagreeing with their assignment (the scheduler
-    only assigns what is free); the running ones follow their assignment; no GPU is
-    over-committed; each node publishes what is allocated on it."""
+    only assigns what is free); pods bound after the disruption (`retried`) run; the running ones
+    follow their assignment; no GPU is over-committed; each node publishes what is allocated on
+    it; and a pod still refused by the scheduler was refused for want of room, not for a GPU still
+    unhealthy (the cluster recovered)."""
     outcomes = []
     placements = {}
     for name in names:
@@ -687,6 +702,7 @@ def judge_after_disruption(cluster, names, results, disturbed=None):
         assert out.node == node
         if out.state != "running":
             assert out.reason, f"{name}: {out.state} without a reason"
+            assert name not in retried, f"{name} was bound after the disruption, yet {out.state}: {out.reason}"
             assert node == disturbed, f"{name} was refused on {node}, which nothing disturbed: {out.reason}"
             assert ASSIGNMENT not in out.reason, f"{name}: the manager did not follow a feasible assignment: {out.reason}"
             continue
@@ -718,9 +734,13 @@ def judge_after_disruption(cluster, names, results, disturbed=None):
     for o in outcomes:
         states[o.state] = states.get(o.state, 0) + 1
     refused = sum(1 for n in names if results[n][0] is None)
-    print(f"{len(names)} pods: {refused} refused by the scheduler, after binding {states}")
-    assert states.get("running", 0) >= 8, ({o.name: (o.state, o.reason) for o in outcomes},
-                                           {n: r for n, r in results.items() if r[0] is None})
+    print(f"{len(names)} pods: {refused} refused by the scheduler ({len(retried)} bound on a retry), "
+          f"after binding {states}")
+    assert states.get("running", 0) > 0, "nothing ran: the test does not test placement"
+    for name in names:
+        node, reason = results[name]
+        assert node is not None or "unhealthy" not in reason, \
+            f"{name} is still refused for an unhealthy GPU after the disruption: {reason}"
     return outcomes
 
 
@@ -752,7 +772,8 @@ def test_a_kubelet_restart_during_scheduling(cluster):
         node.wait_registered(timeout=10)  # the manager registers again by itself
 
     results, disturbed = schedule_concurrently(cluster, names, restart_kubelet)
-    judge_after_disruption(cluster, names, results, disturbed)
+    retried = retry_refused(cluster, names, results)
+    judge_after_disruption(cluster, names, results, disturbed, retried)
 
 
 def test_a_manager_restart_during_scheduling(cluster):
@@ -778,4 +799,5 @@ def test_a_manager_restart_during_scheduling(cluster):
         wait_for("the restarted manager to publish its GPUs healthy", lambda: all(healthy(node)), timeout=15)
 
     results, disturbed = schedule_concurrently(cluster, names, restart_manager)
-    judge_after_disruption(cluster, names, results, disturbed)
+    retried = retry_refused(cluster, names, results)
+    judge_after_disruption(cluster, names, results, disturbed, retried)
