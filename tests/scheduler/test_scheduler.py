@@ -258,28 +258,26 @@ def schedule(cluster, sched, pod_name, nodes, cache_capable, ns="default"):
     return best, bind(cluster, sched, pod_name, best, ns)["Error"]
 
 
-def test_fifty_pods_bound_concurrently_through_two_replicas_never_overcommit(cluster):
-    nodes = [f"n{i}" for i in range(10)]
-    for n in nodes:
-        cluster.node(n, [(20, 4), (0, 0)])  # room for 2 + 3 pods of 30 % / 8 GiB
-    pods = [f"p{i:02}" for i in range(50)]
-    for p in pods:
-        cluster.pod(p, 30, 32)  # 30 % and 8 GiB
-    replicas = [cluster.scheduler(), cluster.scheduler()]
+def schedule_concurrently(cluster, replicas, pods, nodes, attempts, backoff, seed, ns="default", timeout=120):
+    """kube-scheduler at scale: each pod from its own thread (released together), alternating
+    replicas and nodeCacheCapable modes, requeued with backoff while nothing fits or its bind
+    fails. Returns {pod: ("bound", node) | ("refused", the last reason)}."""
     outcome, errors = {}, []
-    rnd = random.Random(7)
+    rnd = random.Random(seed)
+    start = threading.Barrier(len(pods))
 
     def run(i, p):
         try:
+            start.wait()
             reason = None
-            for attempt in range(30):  # kube-scheduler requeues a pod whose bind failed, with backoff
-                node, err = schedule(cluster, replicas[(i + attempt) % 2], p, nodes, cache_capable=(i % 2 == 1))
+            for attempt in range(attempts):
+                node, err = schedule(cluster, replicas[(i + attempt) % 2], p, nodes, cache_capable=(i % 2 == 1), ns=ns)
                 if node and not err:
                     outcome[p] = ("bound", node)
                     return
                 assert err, f"{p}: refused without a reason"
                 reason = err
-                time.sleep(rnd.uniform(0.05, 0.3))
+                time.sleep(rnd.uniform(*backoff))
             outcome[p] = ("refused", reason)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(f"{p}: {e!r}")
@@ -288,9 +286,22 @@ def test_fifty_pods_bound_concurrently_through_two_replicas_never_overcommit(clu
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=timeout)
     assert not errors, errors
-    assert len(outcome) == 50
+    assert len(outcome) == len(pods)
+    return outcome
+
+
+def test_fifty_pods_bound_concurrently_through_two_replicas_never_overcommit(cluster):
+    nodes = [f"n{i}" for i in range(10)]
+    for n in nodes:
+        cluster.node(n, [(20, 4), (0, 0)])  # room for 2 + 3 pods of 30 % / 8 GiB
+    pods = [f"p{i:02}" for i in range(50)]
+    for p in pods:
+        cluster.pod(p, 30, 32)  # 30 % and 8 GiB
+    replicas = [cluster.scheduler(), cluster.scheduler()]
+    # kube-scheduler requeues a pod whose bind failed, with backoff
+    outcome = schedule_concurrently(cluster, replicas, pods, nodes, attempts=30, backoff=(0.05, 0.3), seed=7)
 
     state = cluster.get("/_sim/objects")["objects"]
     by_uid = {p["metadata"]["uid"]: p for p in state["pods"]}
@@ -492,33 +503,8 @@ def test_concurrent_binds_through_two_replicas_never_exceed_a_quota(cluster):
     for p in pods:
         cluster.pod(p, 30, 8, ns="ml")  # 30 pods × 30 = 900 asked, 300 allowed
     replicas = [cluster.scheduler(*QUOTA_FLAG), cluster.scheduler(*QUOTA_FLAG)]
-    outcome, errors = {}, []
-    rnd = random.Random(11)
-    start = threading.Barrier(len(pods))
-
-    def run(i, p):
-        try:
-            start.wait()
-            reason = None
-            for attempt in range(8):  # kube-scheduler requeues a pod whose bind failed, with backoff
-                node, err = schedule(cluster, replicas[(i + attempt) % 2], p, nodes, cache_capable=(i % 2 == 1), ns="ml")
-                if node and not err:
-                    outcome[p] = ("bound", node)
-                    return
-                assert err, f"{p}: refused without a reason"
-                reason = err
-                time.sleep(rnd.uniform(0.05, 0.2))
-            outcome[p] = ("refused", reason)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(f"{p}: {e!r}")
-
-    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(pods)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=180)
-    assert not errors, errors
-    assert len(outcome) == len(pods)
+    outcome = schedule_concurrently(cluster, replicas, pods, nodes, attempts=8, backoff=(0.05, 0.2), seed=11, ns="ml",
+                                    timeout=180)
 
     held = assigned_core(cluster, "ml")
     bound = [p for p, (status, _) in outcome.items() if status == "bound"]
