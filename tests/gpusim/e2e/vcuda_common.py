@@ -113,6 +113,7 @@ _HEADER_FIELDS = [
     ("core_limit_override", f"{MAX_GPUS}Q"),
     ("throttled_ns", f"{MAX_GPUS}Q"),
     ("oom_refusals", f"{MAX_GPUS}Q"),
+    ("accounting_errors", f"{MAX_GPUS}Q"),  # appended in space layout 4 left zero
 ]
 
 

@@ -6,7 +6,8 @@
 //! 0        RegionHeader   magic "VCUDARGN", version, GPU UUIDs, learned context/module costs,
 //!                         run-time shares, statistics counters (throttled ns, OOM refusals)
 //! 4096     Slot × 64      one per process: pid, and per GPU the bytes it holds
-//! len + i  (beyond the mapping) byte i is OFD-locked by the process owning slot i
+//! len + i       (beyond the mapping) slot i's owner lock: held by the process owning it
+//! len + 64 + i  (beyond the mapping) slot i's transition lock: held while its state changes
 //! ```
 //!
 //! **Reservation without a lock.** Each process changes only its own slot's counters. To
@@ -22,14 +23,26 @@
 //! kernel drops it when the process dies, even by SIGKILL. Inside the container's pid
 //! namespace the pid and its start time are checked too, because a child forked without
 //! `exec` shares the lock.
+//!
+//! **Life cycle.** Claiming, reclaiming and giving up a slot are the machines of
+//! [`crate::slot`], run here on the real file; every change of a slot's state happens under
+//! the slot's transition lock, so no two interleave and a process killed part-way leaves a
+//! state the next one finishes. The module comment there has the state machine and its
+//! invariants; a model checker explores it with kills between any two steps.
+//!
+//! **Defence in depth.** A release of more than the slot holds (which the protocol rules
+//! out) is repaired at once to zero and counted in `accounting_errors`; a counter that reads
+//! negative anyway (bit 47 set: no slot holds 128 TiB) is summed as zero, never as "full".
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 
 use crate::config::MAX_GPUS;
+use crate::slot::{self, Claim, Claimed, Lock, Machine, Reclaim, Slots, Unclaim};
+pub use crate::slot::{SLOT_ACTIVE, SLOT_BUSY, SLOT_FREE};
 
 pub const REGION_MAGIC: u64 = u64::from_le_bytes(*b"VCUDARGN");
 /// Version 4 appended the statistics counters `throttled_ns` and `oom_refusals`.
@@ -39,12 +52,11 @@ pub const REGION_VERSION: u32 = 4;
 /// tell whether the counter moved between two reads at no cost to the hot path.
 pub const API_BYTES: u64 = (1 << 48) - 1;
 const API_CHANGE: u64 = 1 << 48;
+/// A counter at or above this reads as negative (a release that borrowed across zero): no
+/// process holds 128 TiB of device memory.
+const API_NEGATIVE: u64 = 1 << 47;
 /// Processes per container.
 pub const MAX_PROCS: usize = 64;
-
-pub const SLOT_FREE: u32 = 0;
-pub const SLOT_ACTIVE: u32 = 1;
-pub const SLOT_BUSY: u32 = 2;
 
 #[repr(C)]
 pub struct RegionHeader {
@@ -78,6 +90,12 @@ pub struct RegionHeader {
     /// container past its quota (not the driver's own out-of-memory errors). `Relaxed`, as
     /// for `throttled_ns`.
     pub oom_refusals: [AtomicU64; MAX_GPUS],
+    /// Statistics, written by the library, read by the manager: accounting errors repaired
+    /// on each GPU (a release of more than the process's counter held, set back to zero).
+    /// The slot protocol rules them out; a non-zero value is a bug to report. Appended in
+    /// space layout 4 leaves zero, so regions made before it read 0 and need no new version.
+    /// `Relaxed`, as for `throttled_ns`.
+    pub accounting_errors: [AtomicU64; MAX_GPUS],
 }
 
 /// One process's share of the region. 128-byte aligned so processes updating their own
@@ -91,7 +109,8 @@ pub struct Slot {
     pub host_pid: AtomicU32,
     /// Bumped at each claim.
     pub generation: AtomicU32,
-    /// Start time of `pid` (clock ticks since boot, /proc/<pid>/stat field 22).
+    /// Start time of `pid` (clock ticks since boot, /proc/<pid>/stat field 22; 0 if it
+    /// could not be read, and then only the owner lock tells liveness).
     pub start_time: AtomicU64,
     /// Bytes reserved through allocation calls, per GPU (low 48 bits; see [`API_BYTES`]).
     pub api: [AtomicU64; MAX_GPUS],
@@ -132,6 +151,15 @@ pub struct SlotId {
     pub generation: u32,
 }
 
+impl SlotId {
+    /// No slot: reservations are refused, releases and measurements ignored (a forked
+    /// child whose own claim failed must not count into its parent's slot).
+    pub const NONE: SlotId = SlotId {
+        index: u32::MAX,
+        generation: 0,
+    };
+}
+
 /// One process as the manager and `vcuda_*` see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotView {
@@ -148,6 +176,11 @@ pub struct Region {
     base: *mut u8,
     path: PathBuf,
     num_gpus: usize,
+    /// Set while a thread of this process runs a slot machine. The transition locks are
+    /// open-file-description locks, which do not exclude threads sharing the description.
+    /// A flag rather than a mutex: a child forked while another thread held it resets it
+    /// (`reopen_after_fork`) instead of waiting forever.
+    changing: AtomicBool,
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics (and plain fields
@@ -172,14 +205,6 @@ fn io(path: &Path, op: &'static str, err: std::io::Error) -> RegionError {
     }
 }
 
-struct Flock<'a>(&'a OwnedFd);
-impl Drop for Flock<'_> {
-    fn drop(&mut self) {
-        // SAFETY: the fd is open for the guard's lifetime.
-        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
-    }
-}
-
 impl Region {
     /// Open the region at `path`, creating it for `uuids` if it does not exist. A region
     /// made for other GPUs is recreated when no live process uses it, refused otherwise.
@@ -200,47 +225,47 @@ impl Region {
         }
         // SAFETY: a descriptor we just opened and now own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let base = {
-            // SAFETY: fd is open.
-            if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX) } != 0 {
-                return Err(io(path, "lock it", std::io::Error::last_os_error()));
-            }
-            let _g = Flock(&fd);
-            Region::setup(&fd, path, uuids)?
-        };
-        Ok(Region {
+        // Openers take turns to check, size and lay out the file. Closing `fd` (on any error
+        // below) releases the lock; so does the explicit unlock once the region is set up.
+        // SAFETY: fd is open.
+        if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(io(path, "lock it", std::io::Error::last_os_error()));
+        }
+        let size = file_size(&fd).map_err(|e| io(path, "stat it", e))?;
+        if size != 0 && size != REGION_SIZE as u64 {
+            return Err(RegionError::Incompatible {
+                path: path.display().to_string(),
+                why: format!("{size} bytes, expected {REGION_SIZE}"),
+            });
+        }
+        if size == 0 {
+            set_len(&fd, REGION_SIZE).map_err(|e| io(path, "size it", e))?;
+        }
+        let base = map(&fd).map_err(|e| io(path, "map it", e))?;
+        let region = Region {
             fd,
             base,
             path: path.to_path_buf(),
             num_gpus: uuids.len(),
-        })
+            changing: AtomicBool::new(false),
+        };
+        let adopted = region.adopt(uuids);
+        // SAFETY: the descriptor is open; unlocking a lock we hold.
+        unsafe { libc::flock(region.fd.as_raw_fd(), libc::LOCK_UN) };
+        adopted.map(|()| region)
     }
 
-    fn setup(fd: &OwnedFd, path: &Path, uuids: &[[u8; 16]]) -> Result<*mut u8, RegionError> {
-        let size = file_size(fd).map_err(|e| io(path, "stat it", e))?;
+    /// Check the mapped file (the caller holds the flock): lay out a new one, keep a
+    /// compatible one, take over one made for other GPUs that nobody uses.
+    fn adopt(&self, uuids: &[[u8; 16]]) -> Result<(), RegionError> {
         let incompatible = |why: String| RegionError::Incompatible {
-            path: path.display().to_string(),
+            path: self.path.display().to_string(),
             why,
         };
-        if size != 0 && size != REGION_SIZE as u64 {
-            return Err(incompatible(format!(
-                "{size} bytes, expected {REGION_SIZE}"
-            )));
-        }
-        if size == 0 {
-            set_len(fd, REGION_SIZE).map_err(|e| io(path, "size it", e))?;
-        }
-        let base = map(fd).map_err(|e| io(path, "map it", e))?;
-        let region = Region {
-            fd: dup(fd).map_err(|e| io(path, "dup it", e))?,
-            base,
-            path: path.to_path_buf(),
-            num_gpus: uuids.len(),
-        };
-        let h = region.header();
+        let h = self.header();
         let magic = h.magic.load(Acquire);
         if magic == 0 {
-            region.initialise(uuids);
+            self.initialise(uuids);
         } else if magic != REGION_MAGIC {
             return Err(incompatible(format!("bad magic number {magic:#018x}")));
         } else if h.version != REGION_VERSION {
@@ -251,13 +276,13 @@ impl Region {
         } else if h.num_gpus as usize != uuids.len() || h.uuids[..uuids.len()] != *uuids {
             let live = (0..MAX_PROCS as u32)
                 .filter(|&i| {
-                    region.slots()[i as usize].state.load(Acquire) != SLOT_FREE
-                        && region.holder_alive(i, false)
+                    self.slots()[i as usize].state.load(Acquire) != SLOT_FREE
+                        && self.holder_alive(i, false)
                 })
                 .count();
             if live > 0 {
                 return Err(RegionError::InUse {
-                    path: path.display().to_string(),
+                    path: self.path.display().to_string(),
                     why: format!(
                         "it counts {} GPU(s) {}, the config names {}",
                         h.num_gpus,
@@ -266,12 +291,9 @@ impl Region {
                     ),
                 });
             }
-            region.initialise(uuids);
+            self.initialise(uuids);
         }
-        // Hand the mapping to the caller's Region (this temporary one must not unmap it).
-        let base = region.base;
-        std::mem::forget(region);
-        Ok(base)
+        Ok(())
     }
 
     /// Zero the file and lay out a fresh region. The caller holds the flock.
@@ -317,6 +339,8 @@ impl Region {
         if rc < 0 {
             return Err(io(&self.path, "reopen it", err));
         }
+        // A thread of the parent may have been changing a slot: it does not exist here.
+        self.changing.store(false, Release);
         Ok(())
     }
 
@@ -372,6 +396,12 @@ impl Region {
         }
     }
 
+    /// A process's slot; `None` for a [`SlotId::NONE`] (a forked child whose claim failed).
+    #[inline]
+    fn slot(&self, me: SlotId) -> Option<&Slot> {
+        self.slots().get(me.index as usize)
+    }
+
     pub fn slots(&self) -> &[Slot] {
         // SAFETY: MAX_PROCS slots follow the 4 KiB header inside the mapping.
         unsafe { std::slice::from_raw_parts(self.base.add(HEADER_SIZE) as *const Slot, MAX_PROCS) }
@@ -387,7 +417,10 @@ impl Region {
             // Also keeps the counters far from wrapping, whatever size a caller asks for.
             return false;
         }
-        let mine = &self.slots()[me.index as usize].api[dev];
+        let Some(s) = self.slot(me) else {
+            return false;
+        };
+        let mine = &s.api[dev];
         mine.fetch_add(bytes.wrapping_add(API_CHANGE), SeqCst);
         if self.used_seqcst(dev) <= limit {
             return true;
@@ -397,36 +430,68 @@ impl Region {
     }
 
     /// Give back `bytes` reserved earlier (exactly what was reserved: callers release only
-    /// what their own bookkeeping recorded).
+    /// what their own bookkeeping recorded). Returns false if the counter held less, which
+    /// the slot protocol rules out: the counter is then set back to zero (never left
+    /// negative) and the error counted in `accounting_errors`.
     #[inline]
-    pub fn release(&self, me: SlotId, dev: usize, bytes: u64) {
-        // Subtract the bytes and count the change in one operation (no borrow crosses bit 48:
-        // the counter holds at least `bytes`).
-        self.slots()[me.index as usize].api[dev].fetch_add(API_CHANGE.wrapping_sub(bytes), Release);
+    pub fn release(&self, me: SlotId, dev: usize, bytes: u64) -> bool {
+        let Some(s) = self.slot(me) else {
+            return true;
+        };
+        // Subtract the bytes and count the change in one operation.
+        let before = s.api[dev].fetch_add(API_CHANGE.wrapping_sub(bytes), Release);
+        let had = before & API_BYTES;
+        if had >= bytes {
+            return true;
+        }
+        self.repair_underflow(s, dev, bytes - had);
+        false
+    }
+
+    /// Undo the part of a release that went below zero (the borrow it took from the change
+    /// count comes back with the carry).
+    #[cold]
+    fn repair_underflow(&self, s: &Slot, dev: usize, missing: u64) {
+        s.api[dev].fetch_add(missing, SeqCst);
+        if let Some(c) = self.header().accounting_errors.get(dev) {
+            c.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Accounting errors repaired on `dev` (0 for a GPU index out of range).
+    pub fn accounting_errors(&self, dev: usize) -> u64 {
+        self.header()
+            .accounting_errors
+            .get(dev)
+            .map_or(0, |c| c.load(Relaxed))
     }
 
     /// This process's allocation counter on `dev`, raw: bytes and change count. Two equal
     /// readings mean nothing was reserved or released in between.
     pub fn api_raw(&self, me: SlotId, dev: usize) -> u64 {
-        self.slots()[me.index as usize].api[dev].load(SeqCst)
+        self.slot(me).map_or(0, |s| s.api[dev].load(SeqCst))
     }
 
     /// Add `bytes` without checking the limit: memory the driver already holds (counted
     /// late). The container may then be over its quota until usage drops.
     pub fn force_add(&self, me: SlotId, dev: usize, bytes: u64) {
-        self.slots()[me.index as usize].api[dev].fetch_add(bytes.wrapping_add(API_CHANGE), SeqCst);
+        if let Some(s) = self.slot(me) {
+            s.api[dev].fetch_add(bytes.wrapping_add(API_CHANGE), SeqCst);
+        }
     }
 
     /// Set this process's measured hidden memory on `dev`; returns the previous value.
     pub fn set_hidden(&self, me: SlotId, dev: usize, bytes: u64) -> u64 {
-        self.slots()[me.index as usize].hidden[dev].swap(bytes, SeqCst)
+        self.slot(me)
+            .map_or(0, |s| s.hidden[dev].swap(bytes, SeqCst))
     }
 
     /// Raise this process's hidden memory on `dev` to at least `bytes`; returns the previous
     /// value. (A measurement taken while allocations are in flight can only come out low, so
     /// between teardowns the count only goes up.)
     pub fn raise_hidden(&self, me: SlotId, dev: usize, bytes: u64) -> u64 {
-        self.slots()[me.index as usize].hidden[dev].fetch_max(bytes, SeqCst)
+        self.slot(me)
+            .map_or(0, |s| s.hidden[dev].fetch_max(bytes, SeqCst))
     }
 
     /// What the container holds on `dev` (all processes, allocations and hidden memory).
@@ -442,35 +507,41 @@ impl Region {
 
     #[inline]
     fn sum(&self, dev: usize, order: std::sync::atomic::Ordering) -> u64 {
-        let n = (self.header().slots_used.load(Acquire) as usize).min(MAX_PROCS);
+        // The same order for `slots_used` as for the counters: a reserver's SeqCst sum must
+        // see every slot claimed before its announcement.
+        let n = (self.header().slots_used.load(order) as usize).min(MAX_PROCS);
         self.slots()[..n].iter().fold(0u64, |acc, s| {
-            acc.saturating_add(s.api[dev].load(order) & API_BYTES)
+            acc.saturating_add(held(s.api[dev].load(order)))
                 .saturating_add(s.hidden[dev].load(order))
         })
     }
 
     /// This process's own bytes on `dev`: (allocations, hidden).
     pub fn mine(&self, me: SlotId, dev: usize) -> (u64, u64) {
-        let s = &self.slots()[me.index as usize];
-        (
-            s.api[dev].load(Relaxed) & API_BYTES,
-            s.hidden[dev].load(Relaxed),
-        )
+        self.slot(me).map_or((0, 0), |s| {
+            (held(s.api[dev].load(Relaxed)), s.hidden[dev].load(Relaxed))
+        })
     }
 
     // ---- processes --------------------------------------------------------------------
 
+    /// Slot `i`'s lock `l`: one byte beyond the end of the file (never part of the mapping).
     fn lock_byte(
         &self,
-        i: u32,
+        i: usize,
+        l: Lock,
         cmd: libc::c_int,
         ltype: libc::c_int,
     ) -> std::io::Result<libc::c_int> {
+        let at = match l {
+            Lock::Owner => REGION_SIZE + i,
+            Lock::Transition => REGION_SIZE + MAX_PROCS + i,
+        };
         // SAFETY: flock is plain data; zero is a valid value (l_pid must be 0 for OFD locks).
         let mut fl: libc::flock = unsafe { std::mem::zeroed() };
         fl.l_type = ltype as libc::c_short;
         fl.l_whence = libc::SEEK_SET as libc::c_short;
-        fl.l_start = (REGION_SIZE + i as usize) as libc::off_t;
+        fl.l_start = at as libc::off_t;
         fl.l_len = 1;
         // SAFETY: fd is open; fl is valid.
         if unsafe { libc::fcntl(self.fd.as_raw_fd(), cmd, &mut fl) } != 0 {
@@ -487,92 +558,80 @@ impl Region {
         if check_pid && pid == std::process::id() {
             return true;
         }
-        match self.lock_byte(i, libc::F_OFD_GETLK, libc::F_WRLCK) {
+        match self.lock_byte(i as usize, Lock::Owner, libc::F_OFD_GETLK, libc::F_WRLCK) {
             Ok(t) if t == libc::F_UNLCK => return false,
             Ok(_) => {}
             Err(_) => return true,
         }
-        !check_pid || proc_start_time(pid).is_some_and(|t| t == s.start_time.load(Relaxed))
+        // The lock is held: by the owner, or by a child it forked (which shares the lock
+        // until it opens the region itself). Without a recorded start time, trust the lock.
+        let start = s.start_time.load(Relaxed);
+        !check_pid || start == 0 || proc_start_time(pid) == Some(start)
+    }
+
+    /// The slot machines' view of this region ([`crate::slot::Slots`]).
+    fn shared(&self, check_pid: bool) -> Shared<'_> {
+        Shared {
+            region: self,
+            check_pid,
+        }
+    }
+
+    /// Run a slot machine with this process's other threads kept out. Waiting for them is
+    /// bounded: a thread of this process inside a machine makes a few system calls and
+    /// cannot die alone (a forked child, where it does not exist, resets the flag).
+    fn exclusive<M: Machine>(&self, m: M, check_pid: bool) -> M::Output {
+        while self
+            .changing
+            .compare_exchange_weak(false, true, Acquire, Relaxed)
+            .is_err()
+        {
+            std::thread::yield_now();
+        }
+        let out = slot::run(m, &self.shared(check_pid));
+        self.changing.store(false, Release);
+        out
     }
 
     /// Claim a slot for the calling process.
     pub fn claim(&self) -> Result<SlotId, RegionError> {
-        let pid = std::process::id();
-        let start = proc_start_time(pid).unwrap_or(0);
-        for (i, s) in self.slots().iter().enumerate() {
-            if s.state
-                .compare_exchange(SLOT_FREE, SLOT_BUSY, Acquire, Relaxed)
-                .is_err()
-            {
-                continue;
-            }
-            // A dead owner's forked child may still hold the byte: leave that slot alone.
-            if self
-                .lock_byte(i as u32, libc::F_OFD_SETLK, libc::F_WRLCK)
-                .is_err()
-            {
-                s.state.store(SLOT_FREE, Release);
-                continue;
-            }
-            let generation = s.generation.load(Relaxed).wrapping_add(1);
-            s.generation.store(generation, Relaxed);
-            s.pid.store(pid, Relaxed);
-            s.host_pid.store(0, Relaxed);
-            s.start_time.store(start, Relaxed);
-            for d in 0..MAX_GPUS {
-                s.api[d].store(0, Relaxed);
-                s.hidden[d].store(0, Relaxed);
-                s.launched_at[d].store(0, Relaxed);
-            }
-            s.state.store(SLOT_ACTIVE, Release);
-            self.header().slots_used.fetch_max(i as u32 + 1, AcqRel);
-            return Ok(SlotId {
-                index: i as u32,
-                generation,
-            });
+        match self.exclusive(Claim::default(), true) {
+            Some(c) => Ok(SlotId {
+                index: c.index as u32,
+                generation: c.generation,
+            }),
+            None => Err(RegionError::Full {
+                path: self.path.display().to_string(),
+            }),
         }
-        Err(RegionError::Full {
-            path: self.path.display().to_string(),
-        })
     }
 
-    /// Give the slot up (normal exit: the driver frees our memory as the process ends).
+    /// Give the slot up now, counters and all. (The library keeps its slot past exit instead,
+    /// since the driver frees a process's memory only as it ends.) Leaves the slot to the
+    /// next reclaim if someone is judging it at this moment.
     pub fn unclaim(&self, me: SlotId) {
-        let s = &self.slots()[me.index as usize];
-        if s.generation.load(Relaxed) != me.generation || s.state.load(Acquire) != SLOT_ACTIVE {
-            return;
-        }
-        zero(s);
-        let _ = self.lock_byte(me.index, libc::F_OFD_SETLK, libc::F_UNLCK);
-        s.state.store(SLOT_FREE, Release);
+        let me = Claimed {
+            index: me.index as usize,
+            generation: me.generation,
+        };
+        self.exclusive(Unclaim::Lock(me), true);
     }
 
-    /// Free the slots of dead processes; returns how many. `check_pid` as for
-    /// [`Region::holder_alive`].
+    /// Free the slots of dead processes, and finish any slot change a killed process left
+    /// half done; returns how many slots it freed. Never waits: a slot another process is
+    /// changing is left to it. `check_pid` as for [`Region::holder_alive`]; without it, the
+    /// caller must own no slot through this handle (the manager), since a lock never
+    /// conflicts with its own open file description.
     pub fn reclaim_dead(&self, check_pid: bool) -> usize {
-        let mut n = 0;
-        for (i, s) in self.slots().iter().enumerate() {
-            if s.state.load(Acquire) != SLOT_ACTIVE || self.holder_alive(i as u32, check_pid) {
-                continue;
-            }
-            // One reclaimer wins the slot.
-            if s.state
-                .compare_exchange(SLOT_ACTIVE, SLOT_BUSY, AcqRel, Relaxed)
-                .is_ok()
-            {
-                zero(s);
-                s.state.store(SLOT_FREE, Release);
-                n += 1;
-            }
-        }
-        n
+        self.exclusive(Reclaim::default(), check_pid)
     }
 
-    /// Whether `me` still owns its slot (a reclaimer may have taken it if this process was
-    /// wrongly judged dead — it cannot be, but callers check before trusting counters).
+    /// Whether `me` still owns its slot (the slot protocol guarantees it while the process
+    /// lives; callers check before trusting counters).
     pub fn owns(&self, me: SlotId) -> bool {
-        let s = &self.slots()[me.index as usize];
-        s.state.load(Acquire) == SLOT_ACTIVE && s.generation.load(Relaxed) == me.generation
+        self.slot(me).is_some_and(|s| {
+            s.state.load(Acquire) == SLOT_ACTIVE && s.generation.load(Relaxed) == me.generation
+        })
     }
 
     /// Every active process.
@@ -586,23 +645,80 @@ impl Region {
                 index: i as u32,
                 pid: s.pid.load(Relaxed),
                 host_pid: s.host_pid.load(Relaxed),
-                api: s.api[..g]
-                    .iter()
-                    .map(|a| a.load(Relaxed) & API_BYTES)
-                    .collect(),
+                api: s.api[..g].iter().map(|a| held(a.load(Relaxed))).collect(),
                 hidden: s.hidden[..g].iter().map(|a| a.load(Relaxed)).collect(),
             })
             .collect()
     }
 }
 
-use std::sync::atomic::Ordering::AcqRel;
+/// The region as the slot machines see it: one atomic action per call.
+struct Shared<'a> {
+    region: &'a Region,
+    check_pid: bool,
+}
 
-fn zero(s: &Slot) {
-    for d in 0..MAX_GPUS {
-        s.api[d].store(0, Release);
-        s.hidden[d].store(0, Release);
-        s.launched_at[d].store(0, Release);
+impl Slots for Shared<'_> {
+    fn count(&self) -> usize {
+        MAX_PROCS
+    }
+    fn try_lock(&self, i: usize, l: Lock) -> bool {
+        self.region
+            .lock_byte(i, l, libc::F_OFD_SETLK, libc::F_WRLCK)
+            .is_ok()
+    }
+    fn unlock(&self, i: usize, l: Lock) {
+        let _ = self
+            .region
+            .lock_byte(i, l, libc::F_OFD_SETLK, libc::F_UNLCK);
+    }
+    fn state(&self, i: usize) -> u32 {
+        self.region.slots()[i].state.load(Acquire)
+    }
+    fn set_state(&self, i: usize, state: u32) {
+        self.region.slots()[i].state.store(state, Release);
+    }
+    fn generation(&self, i: usize) -> u32 {
+        self.region.slots()[i].generation.load(Relaxed)
+    }
+    fn owner_alive(&self, i: usize) -> bool {
+        self.region.holder_alive(i as u32, self.check_pid)
+    }
+    fn stamp(&self, i: usize) -> u32 {
+        let s = &self.region.slots()[i];
+        let pid = std::process::id();
+        let generation = s.generation.load(Relaxed).wrapping_add(1);
+        s.generation.store(generation, Relaxed);
+        s.pid.store(pid, Relaxed);
+        s.host_pid.store(0, Relaxed);
+        s.start_time
+            .store(proc_start_time(pid).unwrap_or(0), Relaxed);
+        generation
+    }
+    fn zero(&self, i: usize) {
+        let s = &self.region.slots()[i];
+        for d in 0..MAX_GPUS {
+            s.api[d].store(0, Release);
+            s.hidden[d].store(0, Release);
+            s.launched_at[d].store(0, Release);
+        }
+    }
+    fn include(&self, i: usize) {
+        self.region
+            .header()
+            .slots_used
+            .fetch_max(i as u32 + 1, SeqCst);
+    }
+}
+
+/// The bytes a raw allocation counter holds; a counter that reads negative counts as zero.
+#[inline]
+fn held(raw: u64) -> u64 {
+    let b = raw & API_BYTES;
+    if b >= API_NEGATIVE {
+        0
+    } else {
+        b
     }
 }
 
@@ -662,10 +778,6 @@ fn map(fd: &OwnedFd) -> std::io::Result<*mut u8> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(p.cast())
-}
-
-fn dup(fd: &OwnedFd) -> std::io::Result<OwnedFd> {
-    fd.try_clone()
 }
 
 #[cfg(test)]
@@ -779,7 +891,8 @@ mod tests {
         assert_eq!(std::mem::offset_of!(RegionHeader, core_limit_override), 352);
         assert_eq!(std::mem::offset_of!(RegionHeader, throttled_ns), 416);
         assert_eq!(std::mem::offset_of!(RegionHeader, oom_refusals), 480);
-        assert_eq!(std::mem::size_of::<RegionHeader>(), 544);
+        assert_eq!(std::mem::offset_of!(RegionHeader, accounting_errors), 544);
+        assert_eq!(std::mem::size_of::<RegionHeader>(), 608);
         assert_eq!(std::mem::offset_of!(Slot, launched_at), 152);
     }
 
@@ -916,6 +1029,129 @@ mod tests {
             t.join().unwrap();
         }
         assert_eq!(r.used(0), 0);
+    }
+
+    /// What a process killed part-way through a slot change leaves: the slot BUSY, its
+    /// counters as they were, no lock held. The next reclaim (or claim) finishes it.
+    #[test]
+    fn a_slot_left_mid_transition_is_recovered() {
+        let (_d, r) = region();
+        let dead = r.claim().unwrap();
+        assert!(r.reserve(dead, 0, 700, 1000));
+        // The kernel drops a killed process's locks; its slot is left BUSY.
+        let _ = r.lock_byte(
+            dead.index as usize,
+            Lock::Owner,
+            libc::F_OFD_SETLK,
+            libc::F_UNLCK,
+        );
+        r.slots()[dead.index as usize]
+            .state
+            .store(SLOT_BUSY, Release);
+        assert_eq!(r.used(0), 700, "still counted");
+        assert_eq!(r.reclaim_dead(true), 1);
+        assert_eq!(r.used(0), 0);
+        assert_eq!(
+            r.slots()[dead.index as usize].state.load(Acquire),
+            SLOT_FREE
+        );
+        // A claim that finds it BUSY recovers it too.
+        r.slots()[0].state.store(SLOT_BUSY, Release);
+        r.slots()[0].api[1].store(123, Release);
+        let me = r.claim().unwrap();
+        assert_eq!(me.index, 0);
+        assert_eq!(r.used(1), 0);
+    }
+
+    /// A slot whose transition lock another process holds is left to it: a reclaimer
+    /// never waits, and never changes a slot someone else is changing.
+    #[test]
+    fn a_slot_being_changed_by_another_process_is_left_alone() {
+        let (d, r) = region();
+        let other = Region::open_or_create(&d.path().join("region"), &[U0, U1]).unwrap();
+        let dead = r.claim().unwrap();
+        assert!(r.reserve(dead, 0, 500, 1000));
+        let _ = r.lock_byte(
+            dead.index as usize,
+            Lock::Owner,
+            libc::F_OFD_SETLK,
+            libc::F_UNLCK,
+        );
+        // `other` (another open file description, as another process has) is mid-change.
+        assert!(other
+            .shared(true)
+            .try_lock(dead.index as usize, Lock::Transition));
+        assert_eq!(r.reclaim_dead(false), 0);
+        assert_eq!(r.used(0), 500);
+        let next = r.claim().unwrap();
+        assert_ne!(next.index, dead.index, "a claim skips it too");
+        other
+            .shared(true)
+            .unlock(dead.index as usize, Lock::Transition);
+        assert_eq!(other.reclaim_dead(false), 1);
+        assert_eq!(r.used(0), 0);
+        assert!(r.owns(next));
+    }
+
+    #[test]
+    fn a_release_below_zero_is_repaired_and_counted_and_never_reads_as_full() {
+        let (_d, r) = region();
+        let me = r.claim().unwrap();
+        assert!(r.reserve(me, 0, 100, 1000));
+        assert!(!r.release(me, 0, 300), "more than was reserved");
+        assert_eq!(r.mine(me, 0), (0, 0));
+        assert_eq!(r.accounting_errors(0), 1);
+        assert_eq!(r.accounting_errors(1), 0);
+        assert!(r.reserve(me, 0, 1000, 1000), "the whole quota is there");
+        assert!(r.release(me, 0, 1000));
+        // A counter that reads negative anyway (written by hand) sums as zero.
+        let other = r.claim().unwrap();
+        r.slots()[other.index as usize].api[0].store(API_BYTES - (5 << 20), Release);
+        assert_eq!(r.used(0), 0);
+        assert!(r.reserve(me, 0, 1000, 1000));
+        assert_eq!(r.processes()[1].api[0], 0);
+    }
+
+    #[test]
+    fn no_slot_means_no_reservation() {
+        let (_d, r) = region();
+        let none = SlotId::NONE;
+        assert!(!r.reserve(none, 0, 1, 1000));
+        assert!(r.release(none, 0, 1));
+        r.force_add(none, 0, 5);
+        assert_eq!(r.set_hidden(none, 0, 5), 0);
+        assert_eq!(
+            (r.mine(none, 0), r.used(0), r.owns(none)),
+            ((0, 0), 0, false)
+        );
+    }
+
+    #[test]
+    fn opening_a_region_leaks_no_descriptor() {
+        let (d, r) = region();
+        let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+        let before = fds();
+        for _ in 0..20 {
+            drop(Region::open_or_create(&d.path().join("region"), &[U0, U1]).unwrap());
+        }
+        // Other tests' threads open files too: the 20 opens must not all have stayed.
+        assert!(fds() < before + 20, "{before} → {}", fds());
+        drop(r);
+    }
+
+    #[test]
+    fn an_unclaimed_slot_is_free_for_the_next_process() {
+        let (_d, r) = region();
+        let me = r.claim().unwrap();
+        assert!(r.reserve(me, 0, 10, 1000));
+        r.unclaim(me);
+        assert!(!r.owns(me));
+        assert_eq!(r.used(0), 0);
+        let next = r.claim().unwrap();
+        assert_eq!(next.index, me.index);
+        assert_ne!(next.generation, me.generation);
+        r.unclaim(me); // a stale claim changes nothing
+        assert!(r.owns(next));
     }
 
     #[test]
