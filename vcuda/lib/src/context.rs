@@ -45,7 +45,11 @@ const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 /// namespaces differ; standalone, ours).
 pub(crate) fn driver_pid(v: &Vcuda) -> u32 {
     let me = v.me();
-    let host = v.region.slots()[me.index as usize].host_pid.load(Relaxed);
+    let host = v
+        .region
+        .slots()
+        .get(me.index as usize)
+        .map_or(0, |s| s.host_pid.load(Relaxed));
     if host != 0 {
         host
     } else {

@@ -281,12 +281,14 @@ impl Vcuda {
             .region
             .reopen_after_fork()
             .and_then(|()| self.region.claim());
-        match claimed {
-            Ok(me) => self.me.store(pack(me), Relaxed),
-            Err(e) => crate::log::line(&format!(
+        // Without a slot of its own the child must not count into its parent's.
+        let me = claimed.unwrap_or_else(|e| {
+            crate::log::line(&format!(
                 "{e} (in a forked child: its allocations are refused)"
-            )),
-        }
+            ));
+            SlotId::NONE
+        });
+        self.me.store(pack(me), Relaxed);
         self.limiter.reset_after_fork();
         FORKED.store(false, Release);
         start_sweeper();
@@ -330,7 +332,12 @@ impl Vcuda {
     /// Give back `bytes` on `dev`.
     #[inline]
     pub fn release(&self, dev: usize, bytes: u64) {
-        self.region.release(self.me(), dev, bytes);
+        if !self.region.release(self.me(), dev, bytes) {
+            log!(
+                WARN,
+                "released {bytes} on GPU {dev}, more than this process had counted: its counter was set to zero (a vcuda bug: please report it)"
+            );
+        }
     }
 
     /// Count `bytes` the driver already holds, without checking the quota.
