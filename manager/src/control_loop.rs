@@ -370,6 +370,7 @@ impl Observed<'_> {
                         memory_driver_bytes: self.driver.get(&key).copied().unwrap_or(0),
                         throttled_ns: region.map_or(0, |r| r.throttled_ns(dev)),
                         oom_refusals: region.map_or(0, |r| r.oom_refusals(dev)),
+                        accounting_errors: region.map_or(0, |r| r.accounting_errors(dev)),
                         watchdog_violations: self.violated.get(&key).copied().unwrap_or(0),
                     }
                 })

@@ -206,6 +206,12 @@ pub fn encode(v: &View, node: &str) -> String {
         "Calls refused with CUDA_ERROR_OUT_OF_MEMORY for the container's quota",
         None,
     );
+    let accounting = family::<Counter, ContainerLabels>(
+        r,
+        "container_accounting_errors",
+        "Accounting errors libvcuda repaired in the container's usage region (a release of more than a process had counted, set back to zero); any is a bug to report",
+        None,
+    );
     let violations = family::<Counter, ContainerLabels>(
         r,
         "watchdog_violations",
@@ -233,6 +239,7 @@ pub fn encode(v: &View, node: &str) -> String {
                 .get_or_create(&l)
                 .inc_by(g.throttled_ns as f64 / 1e9);
             oom.get_or_create(&l).inc_by(g.oom_refusals);
+            accounting.get_or_create(&l).inc_by(g.accounting_errors);
             violations.get_or_create(&l).inc_by(g.watchdog_violations);
         }
     }
@@ -398,6 +405,7 @@ mod tests {
                     memory_driver_bytes: 5 << 30,
                     throttled_ns: 2_500_000_000,
                     oom_refusals: 7,
+                    accounting_errors: 1,
                     watchdog_violations: 3,
                 }],
                 processes: vec![],
@@ -420,6 +428,7 @@ mod tests {
             format!("vcuda_container_memory_driver_bytes{c} {}", 5u64 << 30),
             format!("vcuda_container_throttled_seconds_total{c} 2.5"),
             format!("vcuda_container_oom_refusals_total{c} 7"),
+            format!("vcuda_container_accounting_errors_total{c} 1"),
             format!("vcuda_watchdog_violations_total{c} 3"),
             format!("vcuda_gpu_memory_bytes{g} {}", 40u64 << 30),
             format!("vcuda_gpu_memory_used_bytes{g} {}", 6u64 << 30),

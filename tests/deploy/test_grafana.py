@@ -27,6 +27,7 @@ CONTAINER_METRICS = {
     "vcuda_container_utilization_percent",
     "vcuda_container_throttled_seconds_total",
     "vcuda_container_oom_refusals_total",
+    "vcuda_container_accounting_errors_total",
     "vcuda_watchdog_violations_total",
 }
 GPU_MANAGER_METRICS = {
@@ -153,7 +154,11 @@ def test_the_panels_asked_for(dashboard):
     assert together("vcuda_gpu_healthy"), "GPU health"
     exprs = [e for _, e in queries(dashboard)]
     assert any(re.search(r"\brate\(\s*vcuda_container_throttled_seconds_total\b", e) for e in exprs)
-    for counter in ("vcuda_container_oom_refusals_total", "vcuda_watchdog_violations_total"):
+    for counter in (
+        "vcuda_container_oom_refusals_total",
+        "vcuda_watchdog_violations_total",
+        "vcuda_container_accounting_errors_total",
+    ):
         assert any(re.search(rf"\bincrease\(\s*{counter}\b", e) for e in exprs), counter
     # the utilization panel is a time series with both series
     (util,) = [p for p in all_panels(dashboard) if p["title"] in together(

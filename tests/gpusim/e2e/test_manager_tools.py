@@ -202,3 +202,4 @@ def test_the_managers_metrics_agree_with_what_a_sees(two_pods):
     assert metric("vcuda_container_memory_quota_bytes") == QUOTA_A_MIB * MiB
     assert metric("vcuda_container_memory_driver_bytes") == t["held_a"]
     assert metric("vcuda_watchdog_violations_total") == 0
+    assert metric("vcuda_container_accounting_errors_total") == 0

@@ -75,6 +75,10 @@ pub struct ContainerGpuView {
     pub throttled_ns: u64,
     /// Calls refused with CUDA_ERROR_OUT_OF_MEMORY for its quota.
     pub oom_refusals: u64,
+    /// Accounting errors libvcuda repaired in its region (a release below zero); any is a
+    /// bug to report. Absent from older managers' answers: 0.
+    #[serde(default)]
+    pub accounting_errors: u64,
     /// Watchdog violations since the manager started.
     pub watchdog_violations: u64,
 }

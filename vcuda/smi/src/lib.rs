@@ -234,6 +234,7 @@ mod tests {
                 memory_driver_bytes: 3 << 30,
                 throttled_ns: 1_500_000_000,
                 oom_refusals: 2,
+                accounting_errors: 0,
                 watchdog_violations: 0,
             }],
             processes: vec![ProcessView {
