@@ -22,7 +22,9 @@ use crate::placement::{check_cores, check_memory, Cores, Node};
 pub const CONTAINER_LIBRARY: &str = "/usr/local/vcuda/lib64/libvcuda.so";
 pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
 pub const CONTAINER_CONFIG_DIR: &str = "/etc/vcuda";
-pub const CONTAINER_REGION_DIR: &str = "/run/vcuda/region";
+/// The region file itself is mounted, not its directory: a container can then neither
+/// rename nor replace it (a bind-mounted file cannot be unlinked), only write it.
+pub const CONTAINER_REGION: &str = "/run/vcuda/region/region";
 pub const CONTAINER_SOCKET_DIR: &str = "/run/vcuda/sock";
 
 /// One GPU as the manager knows it.
@@ -184,8 +186,8 @@ pub fn answer(layout: &Layout, alloc: &Allocation, gpus: &[Gpu]) -> Answer {
     a.mounts
         .push(ro(CONTAINER_CONFIG_DIR, layout.config_dir(&alloc.id)));
     a.mounts.push(Mount {
-        container: CONTAINER_REGION_DIR.into(),
-        host: layout.region_dir(&alloc.id),
+        container: CONTAINER_REGION.into(),
+        host: layout.region_file(&alloc.id),
         read_only: false,
     });
     a.mounts.push(Mount {
@@ -247,7 +249,7 @@ pub fn container_config(alloc: &Allocation, gpus: &[Gpu]) -> ContainerConfig {
         .collect();
     ContainerConfig {
         version: CONFIG_VERSION,
-        region: Path::new(CONTAINER_REGION_DIR).join("region"),
+        region: CONTAINER_REGION.into(),
         socket: Some(Path::new(CONTAINER_SOCKET_DIR).join(crate::settings::SOCKET_NAME)),
         allocation: Some(alloc.id.clone()),
         cuda_library: "libcuda.so.1".into(),
@@ -414,7 +416,7 @@ mod tests {
                 CONTAINER_LIBRARY,
                 CONTAINER_PRELOAD,
                 CONTAINER_CONFIG_DIR,
-                CONTAINER_REGION_DIR,
+                CONTAINER_REGION,
                 CONTAINER_SOCKET_DIR
             ]
         );
@@ -423,6 +425,11 @@ mod tests {
             "library, preload and config are read-only"
         );
         assert_eq!(a.mounts[2].host, Path::new("/run/vcuda/alloc/a1/etc"));
+        assert_eq!(
+            (a.mounts[3].host.as_path(), a.mounts[3].read_only),
+            (Path::new("/run/vcuda/alloc/a1/region/region"), false),
+            "the region file itself, not a directory the container could rename in"
+        );
         assert!(a.devices.iter().any(|d| d.host == "/dev/nvidia1"));
         assert!(
             !a.devices.iter().any(|d| d.host == "/dev/nvidia0"),

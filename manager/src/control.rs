@@ -17,7 +17,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 use vcuda_contract::control::{
-    decode_request, encode_reply, view_frames, FrameDecoder, Reply, Request,
+    decode_request, encode_reply, view_frames, FrameDecoder, Hello, Reply, Request,
 };
 
 use crate::plugin::Shared;
@@ -129,7 +129,7 @@ async fn connection(mut stream: UnixStream, shared: &Shared, scope: Scope) -> Re
             Request::Hello(_) if scope == Scope::Node => Reply::refused(
                 "processes register on the container's socket, not the host's query socket",
             ),
-            Request::Hello(h) => match shared.core.lock().hello(&h, pid) {
+            Request::Hello(h) => match register(shared, &h, pid) {
                 Ok(host_pid) => {
                     info!(pid, allocation = %h.allocation, slot = h.slot, "process registered");
                     Reply::Welcome { host_pid }
@@ -151,6 +151,15 @@ async fn connection(mut stream: UnixStream, shared: &Shared, scope: Scope) -> Re
     }
 }
 
+/// Check a process's `Hello` and record it. The state lock is held only to look the
+/// allocation up (a statement of its own: a guard in a `match` scrutinee would live through
+/// the whole match); the checks read /proc and the container's region without it, so a
+/// container cannot stall the kubelet's calls through them.
+fn register(shared: &Shared, hello: &Hello, pid: u32) -> Result<u32, String> {
+    let claimant = shared.core.lock().claimant(&hello.allocation)?;
+    claimant.hello(hello, pid)
+}
+
 /// What a query on `scope`'s socket from host process `pid` may see.
 fn query(
     shared: &Shared,
@@ -170,7 +179,8 @@ fn query(
         )),
         (scope, Some(id)) => {
             if scope == Scope::Container {
-                shared.core.lock().check_in_pod(&id, pid)?;
+                let claimant = shared.core.lock().claimant(&id)?;
+                claimant.check_in_pod(pid)?;
             }
             shared.view.lock().only(&id).ok_or_else(|| {
                 format!("allocation {id} is not in the manager's view yet (started in the last fraction of a second?); try again")

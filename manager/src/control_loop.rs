@@ -5,14 +5,13 @@
 //! binary, raw ioctls). Every ~10 s, allocations whose container the kubelet no longer
 //! lists are removed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nvml_wrapper::Nvml;
 use tracing::{info, warn};
-use vcuda_contract::config::parse_uuid;
-use vcuda_contract::region::Region;
+use vcuda_contract::region_file::{RegionFile, Snapshot};
 
 use crate::allocation::Allocation;
 use crate::gpus;
@@ -62,6 +61,32 @@ pub fn violations(
         .collect()
 }
 
+/// One round's care of an allocation's region: reclaim what dead processes held, write
+/// its compute share (hard or elastic), and read what it says. Every step goes through the
+/// descriptor the manager holds and never waits; an error is the container's doing.
+fn tend(
+    r: &RegionFile,
+    a: &Allocation,
+) -> Result<Snapshot, vcuda_contract::region_file::RegionFault> {
+    let n = r.reclaim_dead()?;
+    if n > 0 {
+        info!(allocation = %a.id, processes = n, "reclaimed dead processes");
+    }
+    let share = if a.percent >= 100 {
+        1_000_000
+    } else {
+        u64::from(a.percent) * 10_000
+    };
+    let limit = a
+        .core_limit
+        .filter(|&l| l > a.percent)
+        .map_or(0, |l| u64::from(l) * 10_000);
+    for dev in 0..a.gpus.len() {
+        r.set_core(dev, share, limit)?;
+    }
+    r.read()
+}
+
 /// Start the loop on a thread of its own: its work (NVML, /proc, regions, the kubelet's
 /// checkpoint) blocks, and the gRPC services' runtime threads must stay free for the
 /// kubelet. `rt` runs the one asynchronous step (PodResources for garbage collection).
@@ -77,7 +102,8 @@ pub fn start(
 }
 
 fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
-    let mut regions: HashMap<String, Region> = HashMap::new();
+    // Allocations whose region could not be used last round (logged once per episode).
+    let mut faulty: HashSet<String> = HashSet::new();
     let mut over_before: Vec<(String, usize)> = Vec::new();
     // Watchdog violations per (allocation, GPU) since start: the metric.
     let mut violated: HashMap<(String, usize), u64> = HashMap::new();
@@ -105,7 +131,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             let entries = crate::core::read_checkpoint(&path);
             shared.core.lock().apply_pod_uids(&entries);
         }
-        let (allocs, settings, layout_region, gpu_memory, placed, uuids) = {
+        let (allocs, settings, (mut regions, missing), gpu_memory, placed, uuids) = {
             let c = shared.core.lock();
             // What is allocated on each GPU (started or not), for the metrics.
             let placed: Vec<(Vec<String>, u32, u64)> = c
@@ -115,60 +141,59 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             let gpu_memory: Vec<u64> = c.inventory.gpus.iter().map(|g| g.memory).collect();
             let allocs: Vec<Allocation> =
                 c.allocations().filter(|a| a.finished()).cloned().collect();
-            let files: HashMap<String, std::path::PathBuf> = allocs
-                .iter()
-                .map(|a| (a.id.clone(), c.layout.region_file(&a.id)))
-                .collect();
             (
                 allocs,
                 c.settings.clone(),
-                files,
+                c.regions(),
                 gpu_memory,
                 placed,
                 c.inventory.node.uuids.clone(),
             )
         };
-        regions.retain(|id, _| allocs.iter().any(|a| &a.id == id));
-        let mut registered: HashMap<u32, String> = HashMap::new();
-        // host pid → pid in its container, for registered processes.
-        let mut inner_pid: HashMap<u32, u32> = HashMap::new();
-        for a in &allocs {
-            if !regions.contains_key(&a.id) {
-                let ids: Vec<[u8; 16]> = a.gpus.iter().filter_map(|u| parse_uuid(u)).collect();
-                match Region::open_or_create(&layout_region[&a.id], &ids) {
-                    Ok(r) => {
-                        regions.insert(a.id.clone(), r);
-                    }
-                    Err(e) => {
-                        warn!(allocation = %a.id, error = %e, "cannot open the region");
-                        continue;
-                    }
+        // After a manager restart: open the regions of running containers (outside the
+        // state lock; never following a link), and keep them for the allocations' life.
+        for crate::core::Unopened { id, path, uuids } in missing {
+            match RegionFile::open(&path, &uuids) {
+                Ok(r) => {
+                    let r = Arc::new(r);
+                    shared.core.lock().adopt_region(&id, r.clone());
+                    regions.push((id, r));
                 }
-            }
-            let r = &regions[&a.id];
-            let n = r.reclaim_dead(false);
-            if n > 0 {
-                info!(allocation = %a.id, processes = n, "reclaimed dead processes");
-            }
-            let share = if a.percent >= 100 {
-                1_000_000
-            } else {
-                u64::from(a.percent) * 10_000
-            };
-            let limit = a
-                .core_limit
-                .filter(|&l| l > a.percent)
-                .map_or(0, |l| u64::from(l) * 10_000);
-            for dev in 0..a.gpus.len() {
-                r.set_core(dev, share, limit);
-            }
-            for p in r.processes() {
-                if p.host_pid != 0 {
-                    registered.insert(p.host_pid, a.id.clone());
-                    inner_pid.insert(p.host_pid, p.pid);
+                Err(e) => {
+                    if faulty.insert(id.clone()) {
+                        warn!(allocation = %id, error = %e, "cannot open the region");
+                    }
                 }
             }
         }
+        let mut registered: HashMap<u32, String> = HashMap::new();
+        // host pid → pid in its container, for registered processes.
+        let mut inner_pid: HashMap<u32, u32> = HashMap::new();
+        // What each region said this round; `None`: it did not read (the container's fault).
+        let mut snapshots: HashMap<String, Option<Snapshot>> = HashMap::new();
+        for (id, r) in &regions {
+            let Some(a) = allocs.iter().find(|a| &a.id == id) else {
+                continue;
+            };
+            let snapshot = tend(r, a).inspect_err(|e| {
+                if faulty.insert(id.clone()) {
+                    warn!(allocation = %id, error = %e, "the container's region is unusable: its usage counts as its whole quota until it is fixed");
+                }
+            });
+            if let Ok(s) = &snapshot {
+                if faulty.remove(id) {
+                    info!(allocation = %id, "the container's region is readable again");
+                }
+                for p in s.active() {
+                    if p.host_pid != 0 {
+                        registered.insert(p.host_pid, id.clone());
+                        inner_pid.insert(p.host_pid, p.pid);
+                    }
+                }
+            }
+            snapshots.insert(id.clone(), snapshot.ok());
+        }
+        faulty.retain(|id| allocs.iter().any(|a| &a.id == id));
 
         // Watchdog.
         let by_uid: BTreeMap<String, String> = allocs
@@ -270,7 +295,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             health: &health,
             placed: &placed,
             allocs: &allocs,
-            regions: &regions,
+            regions: &snapshots,
             driver: &usage,
             util: &util,
             proc_mem: &proc_mem,
@@ -289,6 +314,11 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
     }
 }
 
+/// One of a region's per-GPU statistics (0 when unread).
+fn stat(s: Option<&Snapshot>, field: impl Fn(&Snapshot) -> &Vec<u64>, dev: usize) -> u64 {
+    s.and_then(|s| field(s).get(dev).copied()).unwrap_or(0)
+}
+
 /// Everything one round observed, for [`Observed::view`].
 struct Observed<'a> {
     uuids: &'a [String],
@@ -300,7 +330,8 @@ struct Observed<'a> {
     placed: &'a [(Vec<String>, u32, u64)],
     /// Started allocations.
     allocs: &'a [Allocation],
-    regions: &'a HashMap<String, Region>,
+    /// What each allocation's region said this round (`None`: unreadable, counted full).
+    regions: &'a HashMap<String, Option<Snapshot>>,
     /// Driver-reported memory per (allocation, GPU of the allocation).
     driver: &'a BTreeMap<(String, usize), u64>,
     /// Summed utilization per (allocation, GPU of the allocation).
@@ -346,6 +377,7 @@ impl Observed<'_> {
                 continue;
             };
             let region = self.regions.get(&a.id);
+            let snapshot = region.and_then(Option::as_ref);
             let whole = a.percent >= 100;
             let share = if whole { 100 } else { a.percent };
             let gpus = a
@@ -361,24 +393,29 @@ impl Observed<'_> {
                         core_share_percent: share,
                         core_limit_percent: a.core_limit.map_or(share, |l| l.clamp(share, 100)),
                         utilization_percent: Some(self.util.get(&key).copied().unwrap_or(0)),
-                        memory_used_bytes: region.map_or(0, |r| r.used(dev)),
+                        // A region the container broke counts as full, never as empty.
+                        memory_used_bytes: match region {
+                            Some(Some(s)) => s.used(dev),
+                            Some(None) => a.quota,
+                            None => 0,
+                        },
                         memory_quota_bytes: if whole {
                             self.gpu_memory.get(index).copied().unwrap_or(0)
                         } else {
                             a.quota
                         },
                         memory_driver_bytes: self.driver.get(&key).copied().unwrap_or(0),
-                        throttled_ns: region.map_or(0, |r| r.throttled_ns(dev)),
-                        oom_refusals: region.map_or(0, |r| r.oom_refusals(dev)),
-                        accounting_errors: region.map_or(0, |r| r.accounting_errors(dev)),
+                        throttled_ns: stat(snapshot, |s| &s.throttled_ns, dev),
+                        oom_refusals: stat(snapshot, |s| &s.oom_refusals, dev),
+                        accounting_errors: stat(snapshot, |s| &s.accounting_errors, dev),
                         watchdog_violations: self.violated.get(&key).copied().unwrap_or(0),
                     }
                 })
                 .collect();
             // Registered processes, and any other the driver lists in the pod's cgroup.
             let mut processes: BTreeMap<u32, ProcessView> = BTreeMap::new();
-            if let Some(r) = region {
-                for p in r.processes() {
+            if let Some(s) = snapshot {
+                for p in s.active() {
                     processes.insert(
                         p.host_pid,
                         ProcessView {

@@ -5,13 +5,14 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use vcuda_cluster::GpuShare;
 use vcuda_contract::config::parse_uuid;
 use vcuda_contract::control::Hello;
-use vcuda_contract::region::Region;
+use vcuda_contract::region_file::RegionFile;
 
 use crate::allocation::{
     answer, container_config, finish, parse_ids, plan, Allocation, Answer, Holdings, Layout, Owner,
@@ -40,6 +41,10 @@ pub struct Core {
     /// Exchanges of identical pods' decisions not yet written to the Node's reservations:
     /// pod uid → the shares it now stands for ([`crate::assign::partner`]).
     pub overrides: BTreeMap<String, Vec<GpuShare>>,
+    /// Each started allocation's region, opened once: at PreStartContainer, before its
+    /// container exists, or (after a manager restart) by the control loop, outside the
+    /// state lock. Never opened again by path while held.
+    regions: BTreeMap<String, Arc<RegionFile>>,
 }
 
 impl Core {
@@ -111,6 +116,7 @@ impl Core {
             next_id,
             changed: Default::default(),
             overrides: BTreeMap::new(),
+            regions: BTreeMap::new(),
         })
     }
 
@@ -135,11 +141,6 @@ impl Core {
             std::fs::create_dir_all(&d)
                 .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
         }
-        // The container's processes may run as any user: they create and write the region.
-        let _ = std::fs::set_permissions(
-            self.layout.region_dir(id),
-            std::fs::Permissions::from_mode(0o1777),
-        );
         Ok(())
     }
 
@@ -395,9 +396,10 @@ impl Core {
         if !self.layout.region_dir(&id).exists() {
             self.make_dirs(&id)?; // the run directory was emptied (a reboot)
         }
-        let region = self.layout.region_file(&id);
-        Region::open_or_create(&region, &uuids).map_err(|e| e.to_string())?;
-        let _ = std::fs::set_permissions(&region, std::fs::Permissions::from_mode(0o666));
+        // Before the container exists: the one time the region is opened by its path.
+        let region = RegionFile::create_or_open(&self.layout.region_file(&id), &uuids)
+            .map_err(|e| e.to_string())?;
+        self.regions.insert(id.clone(), Arc::new(region));
         write_atomic(
             &self.layout.config_file(&id),
             config.to_toml().as_bytes(),
@@ -444,9 +446,9 @@ impl Core {
         }
     }
 
-    /// Whether host process `host_pid` belongs to the pod holding `allocation` (its cgroup
-    /// names the pod's UID): what lets it register, or ask about its container.
-    pub fn check_in_pod(&mut self, allocation: &str, host_pid: u32) -> Result<(), String> {
+    /// What checking a process against `allocation` needs, taken under the state lock;
+    /// the checks themselves ([`Claimant`]) read `/proc` and the region without it.
+    pub fn claimant(&mut self, allocation: &str) -> Result<Claimant, String> {
         self.learn_pod_uid(allocation);
         let alloc = self
             .allocs
@@ -458,24 +460,54 @@ impl Core {
                 alloc.id
             )
         })?;
-        let uid = owner.uid.as_deref().ok_or_else(|| {
+        let uid = owner.uid.clone().ok_or_else(|| {
             format!("allocation {} ({}): the kubelet's checkpoint names no pod UID for it, so the process's cgroup cannot be checked", alloc.id, owner.key())
         })?;
-        let path = self
-            .settings
-            .proc_root
-            .join(host_pid.to_string())
-            .join("cgroup");
-        let cgroup = std::fs::read_to_string(&path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        if !identity::in_pod(&cgroup, uid) {
-            return Err(format!("process {host_pid} is not in the cgroup of pod {} (uid {uid}), which holds allocation {}", owner.key(), alloc.id));
+        Ok(Claimant {
+            allocation: alloc.id.clone(),
+            owner: owner.key(),
+            uid,
+            proc_root: self.settings.proc_root.clone(),
+            region: self.regions.get(allocation).cloned(),
+            region_path: self.layout.region_file(allocation),
+            uuids: alloc.gpus.iter().filter_map(|u| parse_uuid(u)).collect(),
+        })
+    }
+
+    /// Whether host process `host_pid` belongs to the pod holding `allocation` (see
+    /// [`Claimant::check_in_pod`]; for callers that hold the lock anyway).
+    pub fn check_in_pod(&mut self, allocation: &str, host_pid: u32) -> Result<(), String> {
+        self.claimant(allocation)?.check_in_pod(host_pid)
+    }
+
+    /// The allocations' regions held open, and the started allocations that have none yet
+    /// (after a manager restart), for the control loop.
+    pub fn regions(&self) -> (Vec<(String, Arc<RegionFile>)>, Vec<Unopened>) {
+        let mut held = Vec::new();
+        let mut missing = Vec::new();
+        for a in self.allocs.values().filter(|a| a.finished()) {
+            match self.regions.get(&a.id) {
+                Some(r) => held.push((a.id.clone(), r.clone())),
+                None => missing.push(Unopened {
+                    id: a.id.clone(),
+                    path: self.layout.region_file(&a.id),
+                    uuids: a.gpus.iter().filter_map(|u| parse_uuid(u)).collect(),
+                }),
+            }
         }
-        Ok(())
+        (held, missing)
+    }
+
+    /// Keep a region the control loop opened (unless PreStartContainer made one meanwhile).
+    pub fn adopt_region(&mut self, id: &str, region: Arc<RegionFile>) {
+        if self.allocs.contains_key(id) {
+            self.regions.entry(id.to_owned()).or_insert(region);
+        }
     }
 
     /// Forget an allocation whose container is gone, and its files.
     pub fn remove(&mut self, id: &str) -> Result<(), String> {
+        self.regions.remove(id);
         if self.allocs.remove(id).is_some() {
             self.changed.notify_one();
             self.journal.remove(id)?;
@@ -491,14 +523,48 @@ impl Core {
         }
         Ok(())
     }
+}
 
-    /// A process claims an allocation over the control socket: check the claim against the
-    /// host's view of the connecting process (`host_pid`, from the socket's credentials)
-    /// and record its host pid in its region slot. Returns the host pid, or why not.
-    pub fn hello(&mut self, hello: &Hello, host_pid: u32) -> Result<u32, String> {
-        self.check_in_pod(&hello.allocation, host_pid)?;
-        let alloc = &self.allocs[&hello.allocation];
-        let proc_dir = self.settings.proc_root.join(host_pid.to_string());
+/// A started allocation whose region the manager does not hold open yet.
+pub struct Unopened {
+    pub id: String,
+    pub path: PathBuf,
+    pub uuids: Vec<[u8; 16]>,
+}
+
+/// A process's claim on an allocation, checked against the kernel's view of it outside the
+/// state lock ([`Core::claimant`]).
+pub struct Claimant {
+    pub allocation: String,
+    owner: String,
+    uid: String,
+    proc_root: PathBuf,
+    region: Option<Arc<RegionFile>>,
+    region_path: PathBuf,
+    uuids: Vec<[u8; 16]>,
+}
+
+impl Claimant {
+    /// Whether host process `host_pid` belongs to the pod holding the allocation (its
+    /// cgroup names the pod's UID): what lets it register, or ask about its container.
+    pub fn check_in_pod(&self, host_pid: u32) -> Result<(), String> {
+        let path = self.proc_root.join(host_pid.to_string()).join("cgroup");
+        let cgroup = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        if !identity::in_pod(&cgroup, &self.uid) {
+            return Err(format!("process {host_pid} is not in the cgroup of pod {} (uid {}), which holds allocation {}", self.owner, self.uid, self.allocation));
+        }
+        Ok(())
+    }
+
+    /// A process claims the allocation over the control socket: check the claim against
+    /// the host's view of the connecting process (`host_pid`, from the socket's
+    /// credentials) and record its host pid in its region slot. Returns the host pid, or
+    /// why not. Reads only `/proc` and the region through the descriptor the manager holds
+    /// (or, right after a restart, one opened without following links); never waits.
+    pub fn hello(&self, hello: &Hello, host_pid: u32) -> Result<u32, String> {
+        self.check_in_pod(host_pid)?;
+        let proc_dir = self.proc_root.join(host_pid.to_string());
         let read = |f: &str| {
             std::fs::read_to_string(proc_dir.join(f))
                 .map_err(|e| format!("cannot read {}/{f}: {e}", proc_dir.display()))
@@ -509,27 +575,26 @@ impl Core {
                 hello.pid
             ));
         }
-        let region = Region::open_or_create(
-            &self.layout.region_file(&alloc.id),
-            &alloc
-                .gpus
-                .iter()
-                .filter_map(|u| parse_uuid(u))
-                .collect::<Vec<_>>(),
-        )
-        .map_err(|e| e.to_string())?;
-        let slot = region
-            .slots()
-            .get(hello.slot as usize)
-            .ok_or_else(|| format!("slot {} does not exist", hello.slot))?;
-        use std::sync::atomic::Ordering::Relaxed;
-        if slot.pid.load(Relaxed) != hello.pid
-            || slot.generation.load(Relaxed) != hello.generation
-            || slot.start_time.load(Relaxed) != hello.start_time
-        {
+        let opened;
+        let region = match &self.region {
+            Some(r) => r.as_ref(),
+            None => {
+                opened =
+                    RegionFile::open(&self.region_path, &self.uuids).map_err(|e| e.to_string())?;
+                &opened
+            }
+        };
+        let snapshot = region.read().map_err(|e| e.to_string())?;
+        let held = snapshot.active().any(|s| {
+            s.index == hello.slot
+                && s.pid == hello.pid
+                && s.generation == hello.generation
+                && s.start_time == hello.start_time
+        });
+        if !held {
             return Err(format!(
                 "slot {} of allocation {} is not held by pid {}",
-                hello.slot, alloc.id, hello.pid
+                hello.slot, self.allocation, hello.pid
             ));
         }
         if identity::start_time(&read("stat")?) != Some(hello.start_time) {
@@ -537,7 +602,9 @@ impl Core {
                 "process {host_pid} did not start at the time its slot says"
             ));
         }
-        slot.host_pid.store(host_pid, Relaxed);
+        region
+            .set_host_pid(hello.slot, host_pid)
+            .map_err(|e| e.to_string())?;
         Ok(host_pid)
     }
 }

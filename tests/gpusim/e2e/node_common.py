@@ -235,6 +235,9 @@ class Container:
 
     @property
     def region(self):
+        if "/run/vcuda/region/region" in self.mounts:
+            return pathlib.Path(self.mounts["/run/vcuda/region/region"])
+        # A manager before issue 11 mounted the directory (VCUDA_MANAGER_BIN runs one).
         return pathlib.Path(self.mounts["/run/vcuda/region"]) / "region"
 
     def popen(self, args, **kw):

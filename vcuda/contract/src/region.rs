@@ -41,7 +41,7 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 
 use crate::config::MAX_GPUS;
-use crate::slot::{self, Claim, Claimed, Lock, Machine, Reclaim, Slots, Unclaim};
+use crate::slot::{self, Claim, Claimed, Lock, Machine, Owners, Reclaim, Slots, Unclaim};
 pub use crate::slot::{SLOT_ACTIVE, SLOT_BUSY, SLOT_FREE};
 
 pub const REGION_MAGIC: u64 = u64::from_le_bytes(*b"VCUDARGN");
@@ -580,7 +580,11 @@ impl Region {
     /// Run a slot machine with this process's other threads kept out. Waiting for them is
     /// bounded: a thread of this process inside a machine makes a few system calls and
     /// cannot die alone (a forked child, where it does not exist, resets the flag).
-    fn exclusive<M: Machine>(&self, m: M, check_pid: bool) -> M::Output {
+    fn exclusive<M: for<'a> Machine<Shared<'a>>>(
+        &self,
+        m: M,
+        check_pid: bool,
+    ) -> <M as Machine<Shared<'_>>>::Output {
         while self
             .changing
             .compare_exchange_weak(false, true, Acquire, Relaxed)
@@ -684,6 +688,17 @@ impl Slots for Shared<'_> {
     fn owner_alive(&self, i: usize) -> bool {
         self.region.holder_alive(i as u32, self.check_pid)
     }
+    fn zero(&self, i: usize) {
+        let s = &self.region.slots()[i];
+        for d in 0..MAX_GPUS {
+            s.api[d].store(0, Release);
+            s.hidden[d].store(0, Release);
+            s.launched_at[d].store(0, Release);
+        }
+    }
+}
+
+impl Owners for Shared<'_> {
     fn stamp(&self, i: usize) -> u32 {
         let s = &self.region.slots()[i];
         let pid = std::process::id();
@@ -694,14 +709,6 @@ impl Slots for Shared<'_> {
         s.start_time
             .store(proc_start_time(pid).unwrap_or(0), Relaxed);
         generation
-    }
-    fn zero(&self, i: usize) {
-        let s = &self.region.slots()[i];
-        for d in 0..MAX_GPUS {
-            s.api[d].store(0, Release);
-            s.hidden[d].store(0, Release);
-            s.launched_at[d].store(0, Release);
-        }
     }
     fn include(&self, i: usize) {
         self.region

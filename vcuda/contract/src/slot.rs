@@ -88,17 +88,22 @@ pub trait Slots {
     /// and where the caller can check pids, the recorded pid still runs with the recorded
     /// start time).
     fn owner_alive(&self, i: usize) -> bool;
+    /// Zero slot `i`'s counters.
+    fn zero(&self, i: usize);
+}
+
+/// What claiming a slot needs beyond [`Slots`]: only a process that can own one (the
+/// library) implements it; the manager only reclaims.
+pub trait Owners: Slots {
     /// Record the caller as slot `i`'s owner (pid, start time, no host pid yet) under a new
     /// generation, which is returned.
     fn stamp(&self, i: usize) -> u32;
-    /// Zero slot `i`'s counters.
-    fn zero(&self, i: usize);
     /// Make sums include slot `i` from now on.
     fn include(&self, i: usize);
 }
 
 /// Run a machine to completion.
-pub fn run<M: Machine>(mut m: M, slots: &impl Slots) -> M::Output {
+pub fn run<S: Slots, M: Machine<S>>(mut m: M, slots: &S) -> M::Output {
     loop {
         if let Some(out) = m.step(slots) {
             return out;
@@ -106,11 +111,11 @@ pub fn run<M: Machine>(mut m: M, slots: &impl Slots) -> M::Output {
     }
 }
 
-/// A protocol sequence: [`step`](Machine::step) performs one action and returns the result
-/// once the sequence is over.
-pub trait Machine {
+/// A protocol sequence over shared slots `S`: [`step`](Machine::step) performs one action
+/// and returns the result once the sequence is over.
+pub trait Machine<S> {
     type Output;
-    fn step(&mut self, slots: &impl Slots) -> Option<Self::Output>;
+    fn step(&mut self, slots: &S) -> Option<Self::Output>;
 }
 
 /// A claimed slot: its index and the generation the claim gave it.
@@ -150,9 +155,9 @@ impl Default for Claim {
     }
 }
 
-impl Machine for Claim {
+impl<S: Owners> Machine<S> for Claim {
     type Output = Option<Claimed>;
-    fn step(&mut self, s: &impl Slots) -> Option<Option<Claimed>> {
+    fn step(&mut self, s: &S) -> Option<Option<Claimed>> {
         *self = match *self {
             Claim::Lock(i) if i >= s.count() => return Some(None),
             Claim::Lock(i) if s.try_lock(i, Lock::Transition) => Claim::Check(i),
@@ -238,9 +243,9 @@ impl Default for Reclaim {
     }
 }
 
-impl Machine for Reclaim {
+impl<S: Slots> Machine<S> for Reclaim {
     type Output = usize;
-    fn step(&mut self, s: &impl Slots) -> Option<usize> {
+    fn step(&mut self, s: &S) -> Option<usize> {
         use ReclaimAt::*;
         self.at = match self.at {
             Peek(i) if i >= s.count() => return Some(self.freed),
@@ -297,9 +302,9 @@ pub enum Unclaim {
     Unlock(usize, bool),
 }
 
-impl Machine for Unclaim {
+impl<S: Slots> Machine<S> for Unclaim {
     type Output = bool;
-    fn step(&mut self, s: &impl Slots) -> Option<bool> {
+    fn step(&mut self, s: &S) -> Option<bool> {
         *self = match *self {
             Unclaim::Lock(me) if me.index >= s.count() => return Some(false),
             Unclaim::Lock(me) if s.try_lock(me.index, Lock::Transition) => Unclaim::Check(me),

@@ -23,7 +23,8 @@ use std::collections::HashSet;
 use std::rc::Rc;
 
 use vcuda_contract::slot::{
-    Claim, Claimed, Lock, Machine, Reclaim, Slots, Unclaim, SLOT_ACTIVE, SLOT_BUSY, SLOT_FREE,
+    Claim, Claimed, Lock, Machine, Owners, Reclaim, Slots, Unclaim, SLOT_ACTIVE, SLOT_BUSY,
+    SLOT_FREE,
 };
 
 /// An open file description.
@@ -197,6 +198,12 @@ impl Slots for View {
         let held = s.owner.is_some_and(|h| h != me.region && w.open(h));
         held && (!me.check_pid || w.proc_alive(s.pid))
     }
+    fn zero(&self, i: usize) {
+        self.w.borrow_mut().slots[i].api = 0;
+    }
+}
+
+impl Owners for View {
     fn stamp(&self, i: usize) -> u32 {
         let pid = self.me().pid;
         let mut w = self.w.borrow_mut();
@@ -204,9 +211,6 @@ impl Slots for View {
         s.generation += 1;
         s.pid = pid;
         s.generation
-    }
-    fn zero(&self, i: usize) {
-        self.w.borrow_mut().slots[i].api = 0;
     }
     fn include(&self, i: usize) {
         let mut w = self.w.borrow_mut();
@@ -226,9 +230,9 @@ enum LegacyClaim {
     Activate(usize, u32),
 }
 
-impl Machine for LegacyClaim {
+impl<S: Owners> Machine<S> for LegacyClaim {
     type Output = Option<Claimed>;
-    fn step(&mut self, s: &impl Slots) -> Option<Option<Claimed>> {
+    fn step(&mut self, s: &S) -> Option<Option<Claimed>> {
         *self = match *self {
             LegacyClaim::Cas(i) if i >= s.count() => return Some(None),
             LegacyClaim::Cas(i) if s.state(i) == SLOT_FREE => {
@@ -269,9 +273,9 @@ enum LegacyReclaim {
     Free(usize),
 }
 
-impl Machine for LegacyReclaim {
+impl<S: Slots> Machine<S> for LegacyReclaim {
     type Output = usize;
-    fn step(&mut self, s: &impl Slots) -> Option<usize> {
+    fn step(&mut self, s: &S) -> Option<usize> {
         *self = match *self {
             LegacyReclaim::Peek(i) if i >= s.count() => return Some(0),
             LegacyReclaim::Peek(i) if s.state(i) == SLOT_ACTIVE => LegacyReclaim::Probe(i),
@@ -543,7 +547,7 @@ fn check_quiescent(w: &World) -> Result<(), String> {
 }
 
 /// Whether `m`, run alone, finishes within 16 steps per slot.
-fn finishes(mut m: impl Machine, view: &View) -> bool {
+fn finishes(mut m: impl Machine<View>, view: &View) -> bool {
     let bound = 16 * view.count();
     (0..bound).any(|_| m.step(view).is_some())
 }

@@ -1,0 +1,146 @@
+"""A hostile tenant against vcuda-manager (issue 11; ../shared/reference/threat-model.md): a
+process inside one vcuda container, any uid, attacking every file it can reach. Each test is
+an attack that worked against the manager before issue 11 and must be refused, contained
+or harmless now, judged by what the other tenants and the kubelet see: the manager alive
+and answering Allocate within 1 s, the neighbour's share unchanged, nothing created
+outside the run directory.
+
+The "containers" here are host processes (node_common.py): a mount is a host path, so an
+attack on a mounted file is made on its host path, as the container would through the mount.
+"""
+
+import os
+import sys
+import time
+
+import pytest
+
+from node_common import Node, bins, wait_for  # noqa: F401 (bins: a fixture)
+from vcuda_common import region_header_field
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def node(sim, tmp_path):
+    n = Node(sim, tmp_path / "node")
+    n.start_kubelet().start_manager().wait_registered()
+    yield n
+    n.close()
+
+
+def admit_within(node, pod, seconds=1.0, **res):
+    """Admit `pod` and say how long the kubelet's calls (Allocate, PreStartContainer) took."""
+    t0 = time.monotonic()
+    r = node.admit(pod, **res)
+    took = time.monotonic() - t0
+    assert r["admitted"] and r["containers"][0]["start"]["started"], r
+    assert took <= seconds, f"admitting {pod} took {took:.2f} s while the tenant attacked"
+    return r
+
+
+# The attacker: takes flock on its region (as any process of the container may), then
+# registers itself with the manager as the protocol allows (u32 LE length, u16 LE protocol
+# version, postcard Hello: vcuda/contract/src/control.rs), and says how long the answer took.
+LOCK_AND_REGISTER = r"""
+import fcntl, os, socket, struct, sys, time, tomllib
+cfg = tomllib.load(open(os.environ["VCUDA_CONFIG"], "rb"))
+def varint(n):
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
+region = open(cfg["region"], "r+b")
+fcntl.flock(region, fcntl.LOCK_EX)
+start = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+a = cfg["allocation"].encode()
+body = varint(0) + varint(len(a)) + a + varint(0) + varint(1) + varint(os.getpid()) + varint(start)
+payload = struct.pack("<H", 1) + body
+s = socket.socket(socket.AF_UNIX)
+s.connect(cfg["socket"])
+t0 = time.monotonic()
+s.sendall(struct.pack("<I", len(payload)) + payload)
+s.settimeout(20)
+try:
+    got = s.recv(4096)
+except socket.timeout:
+    got = b""
+print(f"answered={len(got) > 0} after={time.monotonic() - t0:.3f}", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_a_tenant_holding_its_regions_lock_stalls_nobody(node):
+    """Before: a tenant that took flock on its region and then registered made the manager
+    open the region for the check, blocking on that flock while holding the node's state
+    lock: every Allocate and PreStartContainer on the node, and the control loop, waited
+    for as long as the tenant held the lock. Now the manager reads the region through the
+    descriptor it holds, never locking it: the tenant's registration is answered at once
+    (refused: it holds no slot), and the node goes on admitting pods."""
+    a = node.admit("a", core=30, memory=16)
+    ca = node.container(a, "a")
+    attacker = ca.popen([sys.executable, "-c", LOCK_AND_REGISTER, 10])
+    try:
+        line = attacker.stdout.readline()
+        assert line.startswith("answered=True"), line + attacker.stderr.read()
+        assert float(line.split("after=")[1]) < 1.0, line
+        admit_within(node, "b", core=20, memory=8)
+        assert "registration refused" in node.log()
+    finally:
+        attacker.kill()
+        attacker.wait()
+
+
+def test_a_truncated_region_neither_crashes_the_manager_nor_counts_as_empty(node, bins):
+    """Before: `truncate -s 0` on its region, from inside the container, killed the manager
+    (SIGBUS reading its mapping) within a control-loop round, and again at every restart.
+    Now the manager reads through its own buffer: it goes on serving, says what the
+    container did, and counts the container's memory as its whole quota, never as none."""
+    a = node.admit("a", core=30, memory=16)
+    ca = node.container(a, "a")
+    holder = ca.hold(bins["fill"], 256)
+    try:
+        series = dict(namespace="default", pod="a", container="main")
+        wait_for("a's usage metric", lambda: node.metric("vcuda_container_memory_used_bytes", **series))
+        rc, _, err = ca.run(["truncate", "-s", "0", ca.region])
+        assert rc == 0, err
+        wait_for("the manager to notice (or die)",
+                 lambda: "region is unusable" in node.log() or node.manager.poll() is not None, timeout=5)
+        assert node.manager.poll() is None, f"the manager died: {node.manager.returncode}"
+        admit_within(node, "b", core=20, memory=8)
+        assert node.metric("vcuda_container_memory_used_bytes", **series) == 16 * 256 * MiB
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    # Still alive after many more rounds (a round is ~1/6 s).
+    time.sleep(1)
+    assert node.manager.poll() is None
+
+
+def test_a_region_swapped_for_a_link_steers_nothing_after_a_restart(node, tmp_path):
+    """Before: the manager opened regions by path, following links, with O_CREAT. A
+    container that replaced its region by a symlink made the manager, at its next restart,
+    map a neighbour's region as the attacker's and write the attacker's share into it (a
+    60 % tenant cut to 5 %), or create root-owned files wherever the link pointed. (With the
+    region file itself mounted, a container can no longer replace it; the manager must not
+    rely on that alone.)"""
+    a = node.admit("a", core=5, memory=4)
+    b = node.admit("b", core=60, memory=8)
+    ca, cb = node.container(a, "a"), node.container(b, "b")
+    wait_for("b's share in its region", lambda: region_header_field(cb.region, "core_override")[0] == 600_000)
+    nowhere = tmp_path / "created-by-the-manager"
+    for target in (nowhere, cb.region):
+        os.unlink(ca.region)
+        os.symlink(target, ca.region)
+        node.stop_manager()
+        os.truncate(node.manager_log, 0)
+        node.start_manager().wait_registered()
+        # The first view after a start (and so b's metrics) is published once a control-loop
+        # round has written every allocation's share into its region.
+        wait_for("a control-loop round", lambda: node.metric("vcuda_container_core_share_percent", pod="b"))
+        assert not nowhere.exists(), "the manager created a file where the container's link pointed"
+        assert region_header_field(cb.region, "core_override")[0] == 600_000, "the neighbour's share was changed"
+        assert "cannot open the region" in node.log()
+        admit_within(node, f"c-{target.name}", core=5, memory=4)
