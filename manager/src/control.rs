@@ -136,7 +136,7 @@ async fn connection(mut stream: UnixStream, shared: &Shared, scope: Scope) -> Re
                 }
                 Err(reason) => {
                     warn!(pid, allocation = %h.allocation, %reason, "registration refused");
-                    Reply::refused(&reason)
+                    Reply::refused(not_yours(&h.allocation))
                 }
             },
         };
@@ -149,6 +149,13 @@ async fn connection(mut stream: UnixStream, shared: &Shared, scope: Scope) -> Re
             return Ok(());
         }
     }
+}
+
+/// The one answer a container gets when it may not act for `allocation`, whether the
+/// allocation is another container's or does not exist: telling those apart (or naming the
+/// pod that holds it) would let a tenant probe its neighbours. The reason goes to the log.
+fn not_yours(allocation: &str) -> String {
+    format!("this process does not belong to allocation {allocation:?} on this node (or there is no such allocation); the node's vcuda-manager log says why")
 }
 
 /// Check a process's `Hello` and record it. The state lock is held only to look the
@@ -179,8 +186,11 @@ fn query(
         )),
         (scope, Some(id)) => {
             if scope == Scope::Container {
-                let claimant = shared.core.lock().claimant(&id)?;
-                claimant.check_in_pod(pid)?;
+                let claimant = shared.core.lock().claimant(&id);
+                if let Err(reason) = claimant.and_then(|c| c.check_in_pod(pid)) {
+                    warn!(pid, allocation = %id, %reason, "query refused");
+                    return Err(not_yours(&id));
+                }
             }
             shared.view.lock().only(&id).ok_or_else(|| {
                 format!("allocation {id} is not in the manager's view yet (started in the last fraction of a second?); try again")

@@ -35,7 +35,6 @@ pub struct Core {
     journal: Journal,
     pairing: Pairing,
     epoch: Instant,
-    next_id: u64,
     /// Notified at every change of the allocations (the inventory publisher waits on it).
     pub changed: std::sync::Arc<tokio::sync::Notify>,
     /// Exchanges of identical pods' decisions not yet written to the Node's reservations:
@@ -80,11 +79,6 @@ impl Core {
                 "checkpoint lines that could not be read were dropped; their containers keep running, and PreStartContainer for them fails with a reason"
             );
         }
-        // Ids are never reused: past the highest in the checkpoint and in the run directory.
-        let seq = |name: &str| {
-            name.rsplit_once('-')
-                .and_then(|(_, n)| n.parse::<u64>().ok())
-        };
         let on_disk: Vec<String> = std::fs::read_dir(layout.allocations_dir())
             .map(|rd| {
                 rd.flatten()
@@ -92,13 +86,6 @@ impl Core {
                     .collect()
             })
             .unwrap_or_default();
-        let next_id = replay
-            .allocations
-            .keys()
-            .chain(on_disk.iter())
-            .filter_map(|n| seq(n))
-            .max()
-            .map_or(1, |n| n + 1);
         for orphan in on_disk
             .iter()
             .filter(|n| !replay.allocations.contains_key(*n))
@@ -113,7 +100,6 @@ impl Core {
             journal,
             pairing: Pairing::default(),
             epoch: Instant::now(),
-            next_id,
             changed: Default::default(),
             overrides: BTreeMap::new(),
             regions: BTreeMap::new(),
@@ -232,8 +218,7 @@ impl Core {
         let mut sorted = ids.to_vec();
         sorted.sort();
         self.supersede(kind, ids);
-        let id = format!("a{:x}-{}", unix_now(), self.next_id);
-        self.next_id += 1;
+        let id = new_id()?;
         let alloc = Allocation {
             id: id.clone(),
             cores: sorted,
@@ -607,6 +592,19 @@ impl Claimant {
             .map_err(|e| e.to_string())?;
         Ok(host_pid)
     }
+}
+
+/// A fresh allocation id: 128 random bits, so that a container cannot guess another's (it
+/// sees its own in its config and environment) and ids are never reused.
+fn new_id() -> Result<String, String> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| {
+        format!("cannot draw an allocation id from the kernel's random source: {e}")
+    })?;
+    Ok(format!(
+        "a{}",
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+    ))
 }
 
 fn needs_uid(a: &Allocation) -> bool {

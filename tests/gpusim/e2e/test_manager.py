@@ -105,6 +105,10 @@ def test_a_process_outside_the_pod_cannot_claim_its_allocation(node, bins):
     assert "is not in the cgroup of pod default/victim" in node.log()
     p.stdin.close()
     p.wait(timeout=30)
+    # The process learns nothing about whose allocation it named: the same words as for
+    # one that does not exist (issue 11), the detail in the manager's log only.
+    err = p.stderr.read()
+    assert "does not belong to allocation" in err and "victim" not in err, err
 
 
 def test_invalid_requests_are_refused_with_a_reason(node):

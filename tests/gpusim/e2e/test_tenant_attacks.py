@@ -10,13 +10,16 @@ attack on a mounted file is made on its host path, as the container would throug
 """
 
 import os
+import pathlib
 import sys
 import time
 
 import pytest
 
-from node_common import Node, bins, wait_for  # noqa: F401 (bins: a fixture)
+from node_common import RELEASE, Node, bins, wait_for  # noqa: F401 (bins: a fixture)
 from vcuda_common import region_header_field
+
+SMI = RELEASE / "vcuda-smi"
 
 MiB = 1 << 20
 
@@ -144,3 +147,35 @@ def test_a_region_swapped_for_a_link_steers_nothing_after_a_restart(node, tmp_pa
         assert region_header_field(cb.region, "core_override")[0] == 600_000, "the neighbour's share was changed"
         assert "cannot open the region" in node.log()
         admit_within(node, f"c-{target.name}", core=5, memory=4)
+
+
+def test_a_neighbours_allocation_cannot_be_told_from_one_that_does_not_exist(node):
+    """Before: ids were a timestamp and a counter (the next pod's id was guessable from one's
+    own), and a query naming another container's allocation was refused with that pod's
+    namespace, name and uid, while a made-up id got "no allocation": a tenant could map its
+    neighbours. Now ids are 128 random bits and both refusals read the same."""
+    a = node.admit("a", core=30, memory=16)
+    b = node.admit("b", core=30, memory=16)
+    ca, cb = node.container(a, "a"), node.container(b, "b")
+    ids = [c.config["allocation"] for c in (ca, cb)]
+    for i in ids:
+        assert len(i) == 33 and i[0] == "a" and int(i[1:], 16) >= 0, i
+    assert ids[0] != ids[1]
+    made_up = "a" + "0" * 32
+
+    def ask_about(allocation):
+        cfg = pathlib.Path(ca.env["VCUDA_CONFIG"])
+        mine = cfg.read_text()
+        cfg.write_text(mine.replace(ids[0], allocation))
+        try:
+            rc, out, err = ca.run([SMI, "--json"])
+        finally:
+            cfg.write_text(mine)
+        assert rc != 0, out
+        return err.replace(allocation, "<id>")
+
+    wait_for("both in the view", lambda: ca.run([SMI, "--json"])[0] == 0)
+    assert ask_about(ids[1]) == ask_about(made_up)
+    assert "does not belong to allocation" in ask_about(ids[1])
+    for leak in ("default/b", "uid"):
+        assert leak not in ask_about(ids[1])
