@@ -190,11 +190,10 @@ pub fn answer(layout: &Layout, alloc: &Allocation, gpus: &[Gpu]) -> Answer {
         host: layout.region_file(&alloc.id),
         read_only: false,
     });
-    a.mounts.push(Mount {
-        container: CONTAINER_SOCKET_DIR.into(),
-        host: layout.socket_dir.clone(),
-        read_only: false,
-    });
+    // Read-only: connecting to a socket needs no write access to its mount, and a
+    // container must not be able to replace the node's socket with its own.
+    a.mounts
+        .push(ro(CONTAINER_SOCKET_DIR, layout.socket_dir.clone()));
     let rw = |p: &str| DeviceNode {
         container: p.into(),
         host: p.into(),
@@ -421,8 +420,8 @@ mod tests {
             ]
         );
         assert!(
-            a.mounts[..3].iter().all(|m| m.read_only),
-            "library, preload and config are read-only"
+            a.mounts[..3].iter().all(|m| m.read_only) && a.mounts[4].read_only,
+            "library, preload, config and the socket directory are read-only"
         );
         assert_eq!(a.mounts[2].host, Path::new("/run/vcuda/alloc/a1/etc"));
         assert_eq!(

@@ -1,14 +1,16 @@
 //! The control socket: libvcuda in each container process says hello here, and `vcuda-smi`
 //! asks what the node looks like. The socket's peer credentials give the host pid;
-//! [`crate::core::Core::hello`] checks a claim, [`crate::core::Core::check_in_pod`] a
-//! container's query (it sees only itself). The same protocol is served on the host's
-//! query socket, which no container is given, for the whole node's view. Every
-//! connection is on its own: a malformed, oversized or unknown message closes that
-//! connection (logged) and nothing else; frames are capped by the protocol; a peer that
-//! sends nothing is dropped after a timeout.
+//! [`crate::core::Claimant::hello`] checks a claim, [`crate::core::Claimant::check_in_pod`]
+//! a container's query (it sees only itself), both outside the state lock. The same
+//! protocol is served on the host's query socket, which no container is given, for the
+//! whole node's view. Every connection is on its own and carries one exchange: a
+//! malformed, oversized or unknown message closes that connection (logged) and nothing
+//! else; frames are capped by the protocol; a connection lives at most
+//! [`CONNECTION_DEADLINE`] however slowly its peer sends, and one container (peer cgroup)
+//! holds at most [`MAX_PER_CONTAINER`] at once.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,10 +24,55 @@ use vcuda_contract::control::{
 
 use crate::plugin::Shared;
 
-/// Longest a connection may take to deliver a frame.
-const FRAME_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest a connection may live, from accept to the end of its one exchange: a peer
+/// that sends slowly (a byte every few seconds) is cut off all the same.
+const CONNECTION_DEADLINE: Duration = Duration::from_secs(5);
 /// Connections served at once (each is short-lived).
 const MAX_CONNECTIONS: usize = 256;
+/// Connections one container (one cgroup) may hold at once: its processes register once
+/// each, so a few suffice, and no container can take every permit from the others.
+const MAX_PER_CONTAINER: usize = 8;
+/// How often the socket file is checked for having disappeared.
+const REBIND_CHECK: Duration = Duration::from_secs(1);
+
+/// Open connections per peer cgroup (see [`MAX_PER_CONTAINER`]).
+#[derive(Default)]
+struct Gate {
+    open: parking_lot::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+/// A connection's place at the [`Gate`], given back on drop.
+struct Pass {
+    gate: Arc<Gate>,
+    key: String,
+}
+
+impl Gate {
+    fn enter(gate: &Arc<Gate>, key: String) -> Option<Pass> {
+        let mut open = gate.open.lock();
+        let n = open.entry(key.clone()).or_default();
+        if *n >= MAX_PER_CONTAINER {
+            return None;
+        }
+        *n += 1;
+        Some(Pass {
+            gate: gate.clone(),
+            key,
+        })
+    }
+}
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        let mut open = self.gate.open.lock();
+        if let Some(n) = open.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.key);
+            }
+        }
+    }
+}
 
 /// Bind the control socket (replacing a stale one), world-connectable: which container a
 /// process belongs to is checked per message, not by file permissions.
@@ -60,11 +107,45 @@ pub fn bind_host(path: &Path) -> std::io::Result<UnixListener> {
     Ok(l)
 }
 
-/// Serve until the task is dropped.
-pub async fn serve(listener: UnixListener, shared: Arc<Shared>, scope: Scope) {
+/// Serve until the task is dropped. Each connection carries one exchange (a request and
+/// its answer) within [`CONNECTION_DEADLINE`]; at most [`MAX_CONNECTIONS`] at once, and
+/// [`MAX_PER_CONTAINER`] per peer cgroup (read from `proc_root`).
+///
+/// If the socket file disappears or is replaced (it is mounted read-only into containers,
+/// but the host may lose it), it is bound again within [`REBIND_CHECK`].
+pub async fn serve(
+    mut listener: UnixListener,
+    path: PathBuf,
+    shared: Arc<Shared>,
+    scope: Scope,
+    proc_root: PathBuf,
+) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let gate = Arc::new(Gate::default());
+    let mut bound = inode(&path);
+    let mut check = tokio::time::interval(REBIND_CHECK);
     loop {
-        let (stream, _) = match listener.accept().await {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = check.tick() => {
+                if inode(&path) != bound || bound.is_none() {
+                    let again = match scope {
+                        Scope::Container => bind(&path),
+                        Scope::Node => bind_host(&path),
+                    };
+                    match again {
+                        Ok(l) => {
+                            warn!(path = %path.display(), "the socket file was gone or replaced: bound it again");
+                            listener = l;
+                            bound = inode(&path);
+                        }
+                        Err(e) => warn!(path = %path.display(), error = %e, "cannot bind the socket again"),
+                    }
+                }
+                continue;
+            }
+        };
+        let (stream, _) = match accepted {
             Ok(s) => s,
             Err(e) => {
                 warn!(error = %e, "control socket: accept failed");
@@ -72,83 +153,108 @@ pub async fn serve(listener: UnixListener, shared: Arc<Shared>, scope: Scope) {
                 continue;
             }
         };
+        let Some(pid) = peer_pid(&stream) else {
+            debug!("control socket: a peer without credentials, dropped");
+            continue;
+        };
+        // Which container: its cgroup (the kernel's word, not the peer's). An unreadable one
+        // (the process is gone) shares one key with every other such peer.
+        let cgroup = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup"))
+            .unwrap_or_default();
+        let Some(pass) = Gate::enter(&gate, cgroup) else {
+            debug!(pid, "control socket: its container holds {MAX_PER_CONTAINER} connections already; dropped");
+            continue;
+        };
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             debug!("control socket: too many connections, dropping one");
             continue;
         };
         let shared = shared.clone();
         tokio::spawn(async move {
-            let _permit = permit;
-            if let Err(e) = connection(stream, &shared, scope).await {
-                warn!(reason = %e, "control socket: connection closed");
+            let _held = (permit, pass);
+            match tokio::time::timeout(CONNECTION_DEADLINE, connection(stream, pid, &shared, scope))
+                .await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(reason = %e, "control socket: connection closed"),
+                Err(_) => warn!(
+                    pid,
+                    "control socket: no complete exchange within {CONNECTION_DEADLINE:?}; closed"
+                ),
             }
         });
     }
 }
 
-async fn connection(mut stream: UnixStream, shared: &Shared, scope: Scope) -> Result<(), String> {
-    let pid = stream
-        .peer_cred()
-        .map_err(|e| format!("no peer credentials: {e}"))?
-        .pid()
-        .and_then(|p| u32::try_from(p).ok())
-        .ok_or("the peer's pid is unknown")?;
+/// The (device, inode) of the socket file at `path`, if it is a socket.
+fn inode(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let m = std::fs::symlink_metadata(path).ok()?;
+    m.file_type().is_socket().then(|| (m.dev(), m.ino()))
+}
+
+fn peer_pid(stream: &UnixStream) -> Option<u32> {
+    let pid = stream.peer_cred().ok()?.pid()?;
+    u32::try_from(pid).ok()
+}
+
+/// One exchange: a request, its answer, and the connection closes.
+async fn connection(
+    mut stream: UnixStream,
+    pid: u32,
+    shared: &Shared,
+    scope: Scope,
+) -> Result<(), String> {
     let mut dec = FrameDecoder::default();
     let mut buf = [0u8; 4096];
-    loop {
-        let frame = loop {
-            if let Some(f) = dec.next_frame().map_err(|e| format!("pid {pid}: {e}"))? {
-                break f;
-            }
-            let n = tokio::time::timeout(FRAME_TIMEOUT, stream.read(&mut buf))
-                .await
-                .map_err(|_| format!("pid {pid}: no complete message within {FRAME_TIMEOUT:?}"))?
-                .map_err(|e| format!("pid {pid}: {e}"))?;
-            if n == 0 {
-                return Ok(()); // closed
-            }
-            dec.push(&buf[..n]);
-        };
-        let reply = match decode_request(&frame).map_err(|e| format!("pid {pid}: {e}"))? {
-            Request::Ping => Reply::Pong,
-            Request::Query { allocation } => match query(shared, scope, allocation, pid) {
-                Ok(view) => {
-                    for f in view_frames(&view) {
-                        stream
-                            .write_all(&f)
-                            .await
-                            .map_err(|e| format!("pid {pid}: {e}"))?;
-                    }
-                    continue;
-                }
-                Err(reason) => {
-                    debug!(pid, %reason, "query refused");
-                    Reply::refused(&reason)
-                }
-            },
-            Request::Hello(_) if scope == Scope::Node => Reply::refused(
-                "processes register on the container's socket, not the host's query socket",
-            ),
-            Request::Hello(h) => match register(shared, &h, pid) {
-                Ok(host_pid) => {
-                    info!(pid, allocation = %h.allocation, slot = h.slot, "process registered");
-                    Reply::Welcome { host_pid }
-                }
-                Err(reason) => {
-                    warn!(pid, allocation = %h.allocation, %reason, "registration refused");
-                    Reply::refused(not_yours(&h.allocation))
-                }
-            },
-        };
-        let refused = matches!(reply, Reply::Refused { .. });
-        stream
-            .write_all(&encode_reply(&reply))
+    let frame = loop {
+        if let Some(f) = dec.next_frame().map_err(|e| format!("pid {pid}: {e}"))? {
+            break f;
+        }
+        let n = stream
+            .read(&mut buf)
             .await
             .map_err(|e| format!("pid {pid}: {e}"))?;
-        if refused {
-            return Ok(());
+        if n == 0 {
+            return Ok(()); // closed
         }
-    }
+        dec.push(&buf[..n]);
+    };
+    let reply = match decode_request(&frame).map_err(|e| format!("pid {pid}: {e}"))? {
+        Request::Ping => Reply::Pong,
+        Request::Query { allocation } => match query(shared, scope, allocation, pid) {
+            Ok(view) => {
+                for f in view_frames(&view) {
+                    stream
+                        .write_all(&f)
+                        .await
+                        .map_err(|e| format!("pid {pid}: {e}"))?;
+                }
+                return Ok(());
+            }
+            Err(reason) => {
+                debug!(pid, %reason, "query refused");
+                Reply::refused(&reason)
+            }
+        },
+        Request::Hello(_) if scope == Scope::Node => Reply::refused(
+            "processes register on the container's socket, not the host's query socket",
+        ),
+        Request::Hello(h) => match register(shared, &h, pid) {
+            Ok(host_pid) => {
+                info!(pid, allocation = %h.allocation, slot = h.slot, "process registered");
+                Reply::Welcome { host_pid }
+            }
+            Err(reason) => {
+                warn!(pid, allocation = %h.allocation, %reason, "registration refused");
+                Reply::refused(not_yours(&h.allocation))
+            }
+        },
+    };
+    stream
+        .write_all(&encode_reply(&reply))
+        .await
+        .map_err(|e| format!("pid {pid}: {e}"))
 }
 
 /// The one answer a container gets when it may not act for `allocation`, whether the

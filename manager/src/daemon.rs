@@ -84,8 +84,10 @@ pub async fn run(settings: Settings) -> Result<()> {
     })?;
     tokio::spawn(crate::control::serve(
         listener,
+        settings.socket_path(),
         shared.clone(),
         crate::control::Scope::Container,
+        settings.proc_root.clone(),
     ));
     let host = crate::control::bind_host(&settings.query_socket_path()).with_context(|| {
         format!(
@@ -95,8 +97,10 @@ pub async fn run(settings: Settings) -> Result<()> {
     })?;
     tokio::spawn(crate::control::serve(
         host,
+        settings.query_socket_path(),
         shared.clone(),
         crate::control::Scope::Node,
+        settings.proc_root.clone(),
     ));
     crate::control_loop::start(nvml, shared.clone(), tokio::runtime::Handle::current())
         .context("cannot start the control loop's thread")?;

@@ -179,3 +179,79 @@ def test_a_neighbours_allocation_cannot_be_told_from_one_that_does_not_exist(nod
     assert "does not belong to allocation" in ask_about(ids[1])
     for leak in ("default/b", "uid"):
         assert leak not in ask_about(ids[1])
+
+
+# The attacker: opens `n` connections to the control socket and feeds each a valid frame
+# one byte a second (a Ping whose length prefix promises 100 bytes), for `seconds`.
+SLOW_FLOOD = r"""
+import os, socket, struct, sys, time, tomllib
+cfg = tomllib.load(open(os.environ["VCUDA_CONFIG"], "rb"))
+n, seconds = int(sys.argv[1]), float(sys.argv[2])
+frame = struct.pack("<IH", 100, 1) + bytes(98)
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(cfg["socket"])
+        socks.append(s)
+    except OSError:
+        pass
+print(f"connected={len(socks)}", flush=True)
+end, k = time.monotonic() + seconds, 0
+while time.monotonic() < end:
+    for s in socks:
+        try:
+            s.send(frame[k:k + 1])
+        except OSError:
+            pass
+    k = min(k + 1, len(frame) - 1)
+    time.sleep(1)
+"""
+
+
+def test_slow_connections_from_one_container_block_no_other(node, bins):
+    """Before: a container opening 300 connections and sending a byte every second held all
+    256 of the manager's connection permits (the timeout restarted with every byte), so
+    no other container on the node could register or ask vcuda-smi anything. Now one
+    container holds at most 8 connections, each lives at most 5 s, and carries one
+    exchange."""
+    a = node.admit("a", core=30, memory=16)
+    b = node.admit("b", core=30, memory=16)
+    ca, cb = node.container(a, "a"), node.container(b, "b")
+    flood = ca.popen([sys.executable, "-c", SLOW_FLOOD, 300, 20])
+    try:
+        assert flood.stdout.readline().startswith("connected="), flood.stderr.read()
+        before = node.log().count("process registered")
+        holder = cb.hold(bins["fill"], 64)
+        try:
+            wait_for("b's process to register", lambda: node.log().count("process registered") > before, timeout=3)
+            # (The manager answers "no view yet" until its first control-loop round.)
+            wait_for("vcuda-smi in b to answer", lambda: cb.run([SMI, "--json"])[0] == 0, timeout=3)
+        finally:
+            holder.stdin.close()
+            holder.wait(timeout=30)
+        admit_within(node, "c", core=10, memory=4)
+    finally:
+        flood.kill()
+        flood.wait()
+
+
+def test_a_lost_control_socket_is_bound_again(node, bins):
+    """The socket directory is mounted read-only into containers (a container cannot remove
+    or replace the socket: connecting needs no write access); should the socket file
+    disappear all the same, the manager binds it again within about a second, and
+    processes register again."""
+    a = node.admit("a", core=30, memory=16)
+    ca = node.container(a, "a")
+    (mount,) = [m for m in a["containers"][0]["allocate_response"]["mounts"] if m["container_path"] == "/run/vcuda/sock"]
+    assert mount["read_only"], mount
+    sock = pathlib.Path(mount["host_path"]) / "manager.sock"
+    os.unlink(sock)
+    wait_for("the socket to be bound again", lambda: sock.is_socket(), timeout=3)
+    before = node.log().count("process registered")
+    holder = ca.hold(bins["fill"], 64)
+    try:
+        wait_for("a process to register", lambda: node.log().count("process registered") > before, timeout=3)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
