@@ -17,7 +17,7 @@ import time
 import pytest
 
 from node_common import RELEASE, Node, bins, wait_for  # noqa: F401 (bins: a fixture)
-from vcuda_common import region_header_field
+from vcuda_common import CUDA_ERROR_OUT_OF_MEMORY, HEADER_OFFSETS, Shell, build, gpu_status, region_header_field
 
 SMI = RELEASE / "vcuda-smi"
 
@@ -255,3 +255,30 @@ def test_a_lost_control_socket_is_bound_again(node, bins):
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+
+
+def test_a_zeroed_slot_count_in_the_region_header_raises_no_limit(sim, cc, tmp_path):
+    """Before: the region header's slot count (which sums read up to) is writable by the
+    container; zeroing it made every usage sum zero, and a 1 GiB container held 6.4 GiB
+    (gpusim's ground truth). Now each process counts every slot it has known in use, and
+    one that opens the region counts every slot not free."""
+    shell = build(cc, tmp_path, "vcuda_shell")
+    c = sim.container(2048)  # contexts: 300 MiB each
+    holder, peer = Shell(c, shell, "holder").start(), Shell(c, shell, "peer").start()
+    try:
+        holder.ok(f"alloc {1000 * MiB}")
+        data = bytearray(c.region.read_bytes())
+        off, _ = HEADER_OFFSETS["slots_used"]
+        data[off:off + 4] = bytes(4)
+        with open(c.region, "r+b") as f:  # in place: the processes have it mapped
+            f.write(data[:off + 4])
+        assert peer.rc(f"alloc {500 * MiB}") == CUDA_ERROR_OUT_OF_MEMORY
+        late = Shell(c, shell, "late").start()
+        try:
+            assert late.rc(f"alloc {500 * MiB}") == CUDA_ERROR_OUT_OF_MEMORY
+        finally:
+            late.close()
+        assert gpu_status(sim)["memory_peak"] <= 2048 * MiB
+    finally:
+        holder.close()
+        peer.close()

@@ -113,12 +113,24 @@ fn line_of(text: &str, offset: usize) -> usize {
         + 1
 }
 
+/// Which config to obey. In a container vcuda-manager set up, the default path is its
+/// read-only mount and is the only one: `$VCUDA_CONFIG` is the container's own environment,
+/// which a tenant may set to a config of its own making (issue 11). Elsewhere (a process
+/// limited by hand, the tests) `$VCUDA_CONFIG` names the config, else the default.
+pub fn config_path(default_exists: bool, env: Option<std::ffi::OsString>) -> PathBuf {
+    match env.filter(|v| !v.is_empty()) {
+        Some(v) if !default_exists => PathBuf::from(v),
+        _ => PathBuf::from(DEFAULT_CONFIG_PATH),
+    }
+}
+
 impl ContainerConfig {
-    /// The config file path: `$VCUDA_CONFIG`, else the default.
+    /// The config file path: see [`config_path`].
     pub fn path_from_env() -> PathBuf {
-        std::env::var_os(CONFIG_ENV)
-            .filter(|v| !v.is_empty())
-            .map_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH), PathBuf::from)
+        config_path(
+            Path::new(DEFAULT_CONFIG_PATH).exists(),
+            std::env::var_os(CONFIG_ENV),
+        )
     }
 
     pub fn load(path: &Path) -> Result<ContainerConfig, ConfigError> {
@@ -315,6 +327,24 @@ uuid = "GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d401"
 memory_mib = 4096
 core = 30
 "#;
+
+    #[test]
+    fn the_mounted_config_wins_over_the_environment() {
+        let env = |s: &str| Some(std::ffi::OsString::from(s));
+        let default = Path::new(DEFAULT_CONFIG_PATH);
+        assert_eq!(
+            config_path(true, env("/tmp/mine.toml")),
+            default,
+            "a managed container"
+        );
+        assert_eq!(config_path(true, None), default);
+        assert_eq!(
+            config_path(false, env("/tmp/mine.toml")),
+            Path::new("/tmp/mine.toml")
+        );
+        assert_eq!(config_path(false, env("")), default);
+        assert_eq!(config_path(false, None), default);
+    }
 
     #[test]
     fn parses_and_round_trips() {

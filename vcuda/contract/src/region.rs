@@ -181,6 +181,10 @@ pub struct Region {
     /// A flag rather than a mutex: a child forked while another thread held it resets it
     /// (`reopen_after_fork`) instead of waiting forever.
     changing: AtomicBool,
+    /// The highest `slots_used` this process has known (process-local): sums cover at least
+    /// these slots even if the header's count is lowered (any process of the container
+    /// can write the header; a count of zero would make every sum zero).
+    seen_used: AtomicU32,
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics (and plain fields
@@ -248,8 +252,19 @@ impl Region {
             path: path.to_path_buf(),
             num_gpus: uuids.len(),
             changing: AtomicBool::new(false),
+            seen_used: AtomicU32::new(0),
         };
         let adopted = region.adopt(uuids);
+        // Every slot in use counts, whatever the header says.
+        let in_use = region
+            .slots()
+            .iter()
+            .rposition(|s| s.state.load(Acquire) != SLOT_FREE)
+            .map_or(0, |i| i as u32 + 1);
+        region.seen_used.store(
+            in_use.max(region.header().slots_used.load(Acquire)),
+            Relaxed,
+        );
         // SAFETY: the descriptor is open; unlocking a lock we hold.
         unsafe { libc::flock(region.fd.as_raw_fd(), libc::LOCK_UN) };
         adopted.map(|()| region)
@@ -509,7 +524,8 @@ impl Region {
     fn sum(&self, dev: usize, order: std::sync::atomic::Ordering) -> u64 {
         // The same order for `slots_used` as for the counters: a reserver's SeqCst sum must
         // see every slot claimed before its announcement.
-        let n = (self.header().slots_used.load(order) as usize).min(MAX_PROCS);
+        let n = (self.header().slots_used.load(order)).max(self.seen_used.load(Relaxed)) as usize;
+        let n = n.min(MAX_PROCS);
         self.slots()[..n].iter().fold(0u64, |acc, s| {
             acc.saturating_add(held(s.api[dev].load(order)))
                 .saturating_add(s.hidden[dev].load(order))
@@ -715,6 +731,7 @@ impl Owners for Shared<'_> {
             .header()
             .slots_used
             .fetch_max(i as u32 + 1, SeqCst);
+        self.region.seen_used.fetch_max(i as u32 + 1, Relaxed);
     }
 }
 
@@ -1117,6 +1134,22 @@ mod tests {
         assert_eq!(r.used(0), 0);
         assert!(r.reserve(me, 0, 1000, 1000));
         assert_eq!(r.processes()[1].api[0], 0);
+    }
+
+    /// Any process of the container can write the header. Zeroing its slot count once made
+    /// every sum zero (a 1 GiB container held 6.4 GiB): a process counts every slot it has
+    /// known in use, and one opening the region counts every slot not free.
+    #[test]
+    fn a_zeroed_slot_count_hides_nothing() {
+        let (d, r) = region();
+        let a = r.claim().unwrap();
+        let b = r.claim().unwrap();
+        assert!(r.reserve(b, 0, 900, 1000));
+        r.header().slots_used.store(0, Release);
+        assert_eq!(r.used(0), 900);
+        assert!(!r.reserve(a, 0, 200, 1000));
+        let fresh = Region::open_or_create(&d.path().join("region"), &[U0, U1]).unwrap();
+        assert_eq!(fresh.used(0), 900);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use clap::Parser;
-use vcuda_contract::config::{ContainerConfig, CONFIG_ENV, DEFAULT_CONFIG_PATH};
+use vcuda_contract::config::ContainerConfig;
 use vcuda_contract::control::{encode_request, read_view, Request};
 use vcuda_contract::view::View;
 
@@ -60,12 +60,11 @@ struct Target {
 }
 
 fn target(cli: &Cli) -> anyhow::Result<Target> {
-    let config = cli.config.clone().or_else(|| {
-        std::env::var_os(CONFIG_ENV)
-            .map(PathBuf::from)
-            .or_else(|| Some(PathBuf::from(DEFAULT_CONFIG_PATH)))
-            .filter(|p| p.exists())
-    });
+    // The same config the library obeys (in a managed container: the mounted one).
+    let config = cli
+        .config
+        .clone()
+        .or_else(|| Some(ContainerConfig::path_from_env()).filter(|p| p.exists()));
     match config {
         Some(path) => {
             let c = ContainerConfig::load(&path)
