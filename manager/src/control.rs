@@ -270,7 +270,9 @@ fn not_yours(allocation: &str) -> String {
 /// container cannot stall the kubelet's calls through them.
 fn register(shared: &Shared, hello: &Hello, pid: u32) -> Result<u32, String> {
     let claimant = shared.core.lock().claimant(&hello.allocation)?;
-    claimant.hello(hello, pid)
+    let registration = claimant.hello(hello, pid)?;
+    shared.core.lock().register(pid, registration);
+    Ok(pid)
 }
 
 /// What a query on `scope`'s socket from host process `pid` may see.

@@ -14,6 +14,7 @@ use tracing::{info, warn};
 use vcuda_contract::region_file::{RegionFile, Snapshot};
 
 use crate::allocation::Allocation;
+use crate::core::Registration;
 use crate::gpus;
 use crate::identity;
 use crate::ids::Kind;
@@ -87,6 +88,52 @@ fn tend(
     r.read()
 }
 
+/// Start time of host process `pid` (from `proc_root`), if it runs.
+fn proc_start(proc_root: &std::path::Path, pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
+    identity::start_time(&stat)
+}
+
+/// SIGKILL host process `pid` if it is (still) in the cgroup of pod `uid`. The check and
+/// the signal go through one pidfd, opened first, so a pid reused in between can never
+/// redirect the kill to another process. Returns whether it signalled.
+fn kill_in_pod(proc_root: &std::path::Path, pid: u32, uid: &str) -> Result<bool, String> {
+    let pid = libc::pid_t::try_from(pid).map_err(|_| format!("pid {pid} out of range"))?;
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(format!(
+            "pidfd_open: {} (Linux 5.3 or newer is needed to kill safely)",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: a descriptor pidfd_open just returned, owned from here on.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    let cgroup = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup"))
+        .map_err(|e| format!("cannot read its cgroup: {e}"))?;
+    if !identity::in_pod(&cgroup, uid) {
+        return Ok(false);
+    }
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal(2) on the pidfd we own, no siginfo, no flags.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if rc != 0 {
+        return Err(format!(
+            "pidfd_send_signal: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(true)
+}
+
 /// Start the loop on a thread of its own: its work (NVML, /proc, regions, the kubelet's
 /// checkpoint) blocks, and the gRPC services' runtime threads must stay free for the
 /// kubelet. `rt` runs the one asynchronous step (PodResources for garbage collection).
@@ -131,7 +178,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             let entries = crate::core::read_checkpoint(&path);
             shared.core.lock().apply_pod_uids(&entries);
         }
-        let (allocs, settings, (mut regions, missing), gpu_memory, placed, uuids) = {
+        let (allocs, settings, (mut regions, missing), gpu_memory, placed, uuids, mut known) = {
             let c = shared.core.lock();
             // What is allocated on each GPU (started or not), for the metrics.
             let placed: Vec<(Vec<String>, u32, u64)> = c
@@ -148,6 +195,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
                 gpu_memory,
                 placed,
                 c.inventory.node.uuids.clone(),
+                c.registrations(),
             )
         };
         // After a manager restart: open the regions of running containers (outside the
@@ -166,9 +214,6 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
                 }
             }
         }
-        let mut registered: HashMap<u32, String> = HashMap::new();
-        // host pid → pid in its container, for registered processes.
-        let mut inner_pid: HashMap<u32, u32> = HashMap::new();
         // What each region said this round; `None`: it did not read (the container's fault).
         let mut snapshots: HashMap<String, Option<Snapshot>> = HashMap::new();
         for (id, r) in &regions {
@@ -180,19 +225,58 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
                     warn!(allocation = %id, error = %e, "the container's region is unusable: its usage counts as its whole quota until it is fixed");
                 }
             });
-            if let Ok(s) = &snapshot {
-                if faulty.remove(id) {
-                    info!(allocation = %id, "the container's region is readable again");
-                }
-                for p in s.active() {
-                    if p.host_pid != 0 {
-                        registered.insert(p.host_pid, id.clone());
-                        inner_pid.insert(p.host_pid, p.pid);
-                    }
-                }
+            if snapshot.is_ok() && faulty.remove(id) {
+                info!(allocation = %id, "the container's region is readable again");
             }
             snapshots.insert(id.clone(), snapshot.ok());
         }
+        // Who is whose: the processes the kernel vouched for at registration, less those
+        // gone since; after a manager restart, the region's claims the kernel confirms.
+        // Never a host pid as the container wrote it.
+        let proc_root = settings.proc_root.clone();
+        let gone: Vec<u32> = known
+            .iter()
+            .filter(|(pid, r)| proc_start(&proc_root, **pid) != Some(r.start_time))
+            .map(|(pid, _)| *pid)
+            .collect();
+        known.retain(|pid, _| !gone.contains(pid));
+        let mut vouched = Vec::new();
+        for (id, s) in snapshots
+            .iter()
+            .filter_map(|(id, s)| Some((id, s.as_ref()?)))
+        {
+            for p in s.active().filter(|p| p.host_pid != 0) {
+                if known.contains_key(&p.host_pid) {
+                    continue;
+                }
+                let claimant = shared.core.lock().claimant(id);
+                if claimant
+                    .and_then(|c| c.verify(p.host_pid, p.pid, p.start_time))
+                    .is_ok()
+                {
+                    let r = Registration {
+                        allocation: id.clone(),
+                        pid: p.pid,
+                        start_time: p.start_time,
+                    };
+                    known.insert(p.host_pid, r.clone());
+                    vouched.push((p.host_pid, r));
+                }
+            }
+        }
+        if !gone.is_empty() || !vouched.is_empty() {
+            let mut c = shared.core.lock();
+            c.forget(&gone);
+            for (pid, r) in vouched {
+                c.register(pid, r);
+            }
+        }
+        let registered: HashMap<u32, String> = known
+            .iter()
+            .map(|(p, r)| (*p, r.allocation.clone()))
+            .collect();
+        // host pid → pid in its container, for registered processes.
+        let inner_pid: HashMap<u32, u32> = known.iter().map(|(p, r)| (*p, r.pid)).collect();
         faulty.retain(|id| allocs.iter().any(|a| &a.id == id));
 
         // Watchdog.
@@ -200,7 +284,6 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             .iter()
             .filter_map(|a| Some((a.owner.as_ref()?.uid.clone()?, a.id.clone())))
             .collect();
-        let proc_root = settings.proc_root.clone();
         let cgroup =
             |pid: u32| std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok();
         let mut usage: BTreeMap<(String, usize), u64> = BTreeMap::new();
@@ -248,10 +331,19 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             let ps = pids.get(&id).cloned().unwrap_or_default();
             warn!(allocation = %id, container = %who, gpu = dev, used_mib = used >> 20, quota_mib = q >> 20, pids = ?ps, "watchdog: the driver reports more memory than the quota (a process bypasses libvcuda?)");
             if settings.watchdog_kill {
+                let uid = allocs
+                    .iter()
+                    .find(|a| a.id == id)
+                    .and_then(|a| a.owner.as_ref()?.uid.clone());
                 for pid in ps {
-                    // SAFETY: kill(2) on a pid the driver listed for this container's GPU.
-                    let rc = unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-                    warn!(pid, ok = rc == 0, "watchdog: killed");
+                    match uid.as_deref().map(|u| kill_in_pod(&proc_root, pid, u)) {
+                        Some(Ok(true)) => warn!(pid, "watchdog: killed"),
+                        Some(Ok(false)) => {
+                            warn!(pid, "watchdog: not killed: no longer in the pod's cgroup")
+                        }
+                        Some(Err(e)) => warn!(pid, error = %e, "watchdog: cannot kill"),
+                        None => warn!(pid, "watchdog: not killed: the pod's uid is unknown"),
+                    }
                 }
             }
         }
@@ -300,6 +392,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             util: &util,
             proc_mem: &proc_mem,
             inner_pid: &inner_pid,
+            known: &known,
             violated: &violated,
         };
         *shared.view.lock() = observed.view();
@@ -339,6 +432,8 @@ struct Observed<'a> {
     /// Driver-reported memory per (allocation, host pid).
     proc_mem: &'a BTreeMap<(String, u32), u64>,
     inner_pid: &'a HashMap<u32, u32>,
+    /// Registered processes (the kernel vouched for them), by host pid.
+    known: &'a BTreeMap<u32, Registration>,
     violated: &'a HashMap<(String, usize), u64>,
 }
 
@@ -414,17 +509,15 @@ impl Observed<'_> {
                 .collect();
             // Registered processes, and any other the driver lists in the pod's cgroup.
             let mut processes: BTreeMap<u32, ProcessView> = BTreeMap::new();
-            if let Some(s) = snapshot {
-                for p in s.active() {
-                    processes.insert(
-                        p.host_pid,
-                        ProcessView {
-                            host_pid: p.host_pid,
-                            pid: p.pid,
-                            memory_bytes: 0,
-                        },
-                    );
-                }
+            for (host_pid, r) in self.known.iter().filter(|(_, r)| r.allocation == a.id) {
+                processes.insert(
+                    *host_pid,
+                    ProcessView {
+                        host_pid: *host_pid,
+                        pid: r.pid,
+                        memory_bytes: 0,
+                    },
+                );
             }
             for ((id, host_pid), bytes) in self.proc_mem.range((a.id.clone(), 0)..) {
                 if id != &a.id {

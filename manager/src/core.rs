@@ -44,6 +44,8 @@ pub struct Core {
     /// container exists, or (after a manager restart) by the control loop, outside the
     /// state lock. Never opened again by path while held.
     regions: BTreeMap<String, Arc<RegionFile>>,
+    /// Registered processes by host pid ([`Registration`]).
+    registrations: BTreeMap<u32, Registration>,
 }
 
 impl Core {
@@ -103,6 +105,7 @@ impl Core {
             changed: Default::default(),
             overrides: BTreeMap::new(),
             regions: BTreeMap::new(),
+            registrations: BTreeMap::new(),
         })
     }
 
@@ -483,6 +486,25 @@ impl Core {
         (held, missing)
     }
 
+    /// Remember a process the kernel vouched for ([`Claimant::hello`], [`Claimant::verify`]).
+    pub fn register(&mut self, host_pid: u32, r: Registration) {
+        if self.allocs.contains_key(&r.allocation) {
+            self.registrations.insert(host_pid, r);
+        }
+    }
+
+    /// Every registered process, by host pid.
+    pub fn registrations(&self) -> BTreeMap<u32, Registration> {
+        self.registrations.clone()
+    }
+
+    /// Forget processes that are gone (or whose pid now names another process).
+    pub fn forget(&mut self, host_pids: &[u32]) {
+        for p in host_pids {
+            self.registrations.remove(p);
+        }
+    }
+
     /// Keep a region the control loop opened (unless PreStartContainer made one meanwhile).
     pub fn adopt_region(&mut self, id: &str, region: Arc<RegionFile>) {
         if self.allocs.contains_key(id) {
@@ -493,6 +515,7 @@ impl Core {
     /// Forget an allocation whose container is gone, and its files.
     pub fn remove(&mut self, id: &str) -> Result<(), String> {
         self.regions.remove(id);
+        self.registrations.retain(|_, r| r.allocation != id);
         if self.allocs.remove(id).is_some() {
             self.changed.notify_one();
             self.journal.remove(id)?;
@@ -508,6 +531,18 @@ impl Core {
         }
         Ok(())
     }
+}
+
+/// A process the manager accepted as one of an allocation's, by the kernel's word (peer
+/// credentials, cgroup, namespace pid, start time): what attribution and the watchdog use,
+/// never the host pid a container can write into its region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    pub allocation: String,
+    /// Its pid in its container's namespace.
+    pub pid: u32,
+    /// Its start time (clock ticks since boot): with the host pid, names the process.
+    pub start_time: u64,
 }
 
 /// A started allocation whose region the manager does not hold open yet.
@@ -542,24 +577,36 @@ impl Claimant {
         Ok(())
     }
 
-    /// A process claims the allocation over the control socket: check the claim against
-    /// the host's view of the connecting process (`host_pid`, from the socket's
-    /// credentials) and record its host pid in its region slot. Returns the host pid, or
-    /// why not. Reads only `/proc` and the region through the descriptor the manager holds
-    /// (or, right after a restart, one opened without following links); never waits.
-    pub fn hello(&self, hello: &Hello, host_pid: u32) -> Result<u32, String> {
+    /// Whether the kernel confirms that host process `host_pid` is the process a slot says:
+    /// in the pod's cgroup, `pid` in its own namespace, started at `start_time`.
+    pub fn verify(&self, host_pid: u32, pid: u32, start_time: u64) -> Result<(), String> {
         self.check_in_pod(host_pid)?;
         let proc_dir = self.proc_root.join(host_pid.to_string());
         let read = |f: &str| {
             std::fs::read_to_string(proc_dir.join(f))
                 .map_err(|e| format!("cannot read {}/{f}: {e}", proc_dir.display()))
         };
-        if identity::innermost_pid(&read("status")?) != Some(hello.pid) {
+        if identity::innermost_pid(&read("status")?) != Some(pid) {
             return Err(format!(
-                "process {host_pid} claims pid {} in its namespace, which it is not",
-                hello.pid
+                "process {host_pid} claims pid {pid} in its namespace, which it is not"
             ));
         }
+        if identity::start_time(&read("stat")?) != Some(start_time) {
+            return Err(format!(
+                "process {host_pid} did not start at the time its slot says"
+            ));
+        }
+        Ok(())
+    }
+
+    /// A process claims the allocation over the control socket: check the claim against
+    /// the host's view of the connecting process (`host_pid`, from the socket's
+    /// credentials) and tell the process its host pid in its region slot. Returns what the
+    /// manager then knows of it, or why not. Reads only `/proc` and the region through the
+    /// descriptor the manager holds (or, right after a restart, one opened without
+    /// following links); never waits.
+    pub fn hello(&self, hello: &Hello, host_pid: u32) -> Result<Registration, String> {
+        self.check_in_pod(host_pid)?;
         let opened;
         let region = match &self.region {
             Some(r) => r.as_ref(),
@@ -582,15 +629,15 @@ impl Claimant {
                 hello.slot, self.allocation, hello.pid
             ));
         }
-        if identity::start_time(&read("stat")?) != Some(hello.start_time) {
-            return Err(format!(
-                "process {host_pid} did not start at the time its slot says"
-            ));
-        }
+        self.verify(host_pid, hello.pid, hello.start_time)?;
         region
             .set_host_pid(hello.slot, host_pid)
             .map_err(|e| e.to_string())?;
-        Ok(host_pid)
+        Ok(Registration {
+            allocation: self.allocation.clone(),
+            pid: hello.pid,
+            start_time: hello.start_time,
+        })
     }
 }
 

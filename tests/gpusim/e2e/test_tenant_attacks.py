@@ -11,13 +11,22 @@ attack on a mounted file is made on its host path, as the container would throug
 
 import os
 import pathlib
+import struct
 import sys
 import time
 
 import pytest
 
 from node_common import RELEASE, Node, bins, wait_for  # noqa: F401 (bins: a fixture)
-from vcuda_common import CUDA_ERROR_OUT_OF_MEMORY, HEADER_OFFSETS, Shell, build, gpu_status, region_header_field
+from vcuda_common import (
+    CUDA_ERROR_OUT_OF_MEMORY,
+    HEADER_OFFSETS,
+    Shell,
+    build,
+    gpu_status,
+    region_header_field,
+    region_slots,
+)
 
 SMI = RELEASE / "vcuda-smi"
 
@@ -282,3 +291,43 @@ def test_a_zeroed_slot_count_in_the_region_header_raises_no_limit(sim, cc, tmp_p
     finally:
         holder.close()
         peer.close()
+
+
+def test_a_neighbours_pid_written_into_the_region_gets_nobody_killed(node, bins):
+    """Before: the control loop took host pids from the region, which the container writes.
+    A container that wrote a neighbour's host pid into its own slot had the neighbour's
+    memory counted as its own, and with --watchdog-kill the watchdog SIGKILLed the
+    neighbour's process. Now who a process is comes from the kernel at registration (and,
+    after a restart, only claims the kernel confirms); a kill re-checks the cgroup through
+    a pidfd."""
+    node.stop_manager()
+    node.start_manager("--watchdog-kill").wait_registered()
+    # (The victim's pod first: the old loop let the allocation it visited last have a pid.)
+    b = node.admit("b", core=30, memory=16)  # 4 GiB
+    a = node.admit("a", core=30, memory=4)  # 1 GiB
+    ca, cb = node.container(a, "a"), node.container(b, "b")
+    before = registrations(node)
+    victim = cb.hold(bins["fill"], 2048)
+    attacker = ca.hold(bins["fill"], 64)
+    try:
+        wait_for("both to register", lambda: registrations(node) >= before + 2)
+        (slot,) = [s["slot"] for s in region_slots(ca.region) if s["pid"] == attacker.pid]
+        with open(ca.region, "r+b") as f:  # the slot's host_pid field (region.rs Slot)
+            f.seek(4096 + slot * 256 + 8)
+            f.write(struct.pack("<I", victim.pid))
+        # The watchdog acts on two rounds in a row over the quota (~1/6 s each): watch
+        # for well past that.
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            assert victim.poll() is None, "the neighbour's process was killed"
+            time.sleep(0.05)
+        assert not node.metric("vcuda_watchdog_violations_total", pod="a")
+    finally:
+        for p in (victim, attacker):
+            if p.poll() is None:
+                p.stdin.close()
+                p.wait(timeout=30)
+
+
+def registrations(node):
+    return node.log().count("process registered")
