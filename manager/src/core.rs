@@ -88,11 +88,22 @@ impl Core {
                     .collect()
             })
             .unwrap_or_default();
+        // What the checkpoint does not know, no container was started with: an Allocate or
+        // PreStartContainer whose record failed was refused. (A running container keeps its
+        // mounts whatever happens to the host paths.)
         for orphan in on_disk
             .iter()
             .filter(|n| !replay.allocations.contains_key(*n))
         {
-            tracing::warn!(dir = %layout.dir(orphan).display(), "allocation directory the checkpoint does not know; left alone");
+            let dir = layout.dir(orphan);
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {
+                    tracing::info!(dir = %dir.display(), "removed an allocation directory the checkpoint does not know")
+                }
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot remove an allocation directory the checkpoint does not know")
+                }
+            }
         }
         Ok(Core {
             settings,
@@ -236,7 +247,12 @@ impl Core {
         self.make_dirs(&id)?;
         let a = answer(&self.layout, &alloc, &self.inventory.gpus);
         self.allocs.insert(id.clone(), alloc);
-        self.save(&id)?;
+        if let Err(e) = self.save(&id) {
+            // Refused: nothing of it may stay behind (the kubelet retries with a new call).
+            self.allocs.remove(&id);
+            let _ = std::fs::remove_dir_all(self.layout.dir(&id));
+            return Err(e);
+        }
         Ok(a)
     }
 
@@ -694,7 +710,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::allocation::Gpu;
     use crate::ids::all_ids;
@@ -835,6 +851,65 @@ mod tests {
         c.remove(&id).unwrap();
         assert!(!c.layout.dir(&id).exists());
         assert!(core(d.path()).allocation(&id).is_none());
+    }
+
+    /// Run `f` in a forked child whose files may not grow past `limit` bytes (a full
+    /// disk, as the kernel reports it: a short write, then EFBIG); returns its exit code.
+    pub(crate) fn with_file_limit(limit: u64, f: impl FnOnce() -> bool) -> i32 {
+        // SAFETY: the child only sets a limit, runs `f` (file I/O) and _exits.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            let lim = libc::rlimit {
+                rlim_cur: limit,
+                rlim_max: libc::RLIM_INFINITY,
+            };
+            // SAFETY: plain system calls in the child; SIGXFSZ would kill it otherwise.
+            unsafe {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
+            }
+            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(false);
+            // SAFETY: end the child without running the parent's destructors.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(child, &mut status, 0) };
+        libc::WEXITSTATUS(status)
+    }
+
+    #[test]
+    fn an_allocate_whose_record_fails_leaves_nothing_behind() {
+        let d = tempfile::tempdir().unwrap();
+        let cores = ids(U0, Kind::Core, 0, 20);
+        // 100 bytes: enough for the files a manager writes at start (an empty checkpoint,
+        // the preload file), not for the ~300-byte record of an allocation.
+        let code = with_file_limit(100, || {
+            let mut c = core(d.path());
+            let refused = c.allocate(Kind::Core, &cores).is_err();
+            let dirs = std::fs::read_dir(c.layout.allocations_dir())
+                .unwrap()
+                .count();
+            refused && c.allocations().count() == 0 && dirs == 0
+        });
+        assert_eq!(code, 0, "refused, with no allocation and no directory left");
+        // The journal was cut back: the next manager reads it whole and can allocate.
+        let mut c = core(d.path());
+        assert_eq!(c.allocations().count(), 0);
+        c.allocate(Kind::Core, &cores).unwrap();
+        assert_eq!(core(d.path()).allocations().count(), 1);
+    }
+
+    #[test]
+    fn directories_the_checkpoint_does_not_know_are_collected_at_start() {
+        let d = tempfile::tempdir().unwrap();
+        let c = core(d.path());
+        let orphan = c.layout.dir("a0123");
+        std::fs::create_dir_all(orphan.join("region")).unwrap();
+        std::fs::write(orphan.join("region").join("region"), b"x").unwrap();
+        drop(c);
+        let _c = core(d.path());
+        assert!(!orphan.exists());
     }
 
     #[test]

@@ -9,8 +9,10 @@
 //!
 //! Invariants:
 //! - A line is written with one `write` to an `O_APPEND` file: a crashed manager leaves whole
-//!   lines. A torn last line (power loss) or a line that does not parse is skipped and
-//!   counted, never fatal: the allocations it would have named keep running, and the kubelet
+//!   lines. A write that fails part-way (a full disk) is cut back to the last whole line
+//!   (and if that fails too, the next line starts on a line of its own), so a failed record
+//!   never swallows the next. A torn last line (power loss) or a line that does not parse
+//!   is skipped and counted, never fatal: the allocations it would have named keep running, and the kubelet
 //!   and PodResources still know them.
 //! - Not fsynced, on purpose: after a power loss every container starts again, and a
 //!   PreStartContainer the checkpoint does not know fails with a reason (delete the pod)
@@ -87,6 +89,10 @@ pub struct Journal {
     file: File,
     /// Lines in the file now (for deciding when to compact).
     lines: usize,
+    /// The file's length after the last whole line.
+    len: u64,
+    /// A failed append could not be cut back: the next line starts on a line of its own.
+    torn: bool,
 }
 
 impl Journal {
@@ -126,17 +132,30 @@ impl Journal {
             path: path.to_path_buf(),
             file,
             lines: allocations.len(),
+            len: bytes.len() as u64,
+            torn: false,
         })
     }
 
+    /// Append one line, whole or not at all: a write that fails part-way (a full disk) is
+    /// cut back to the last whole line, so it cannot swallow the next record. Should even
+    /// that fail, the next line starts with a newline of its own, and replay skips the
+    /// fragment.
     fn append(&mut self, l: &Line) -> Result<(), String> {
+        let mut bytes = line(l);
+        if self.torn {
+            bytes.insert(0, b'\n');
+        }
         // One write of a whole line: O_APPEND makes it land after every earlier line.
-        self.file.write_all(&line(l)).map_err(|e| {
-            format!(
-                "cannot append to the checkpoint {}: {e}",
+        if let Err(e) = self.file.write_all(&bytes) {
+            self.torn = self.file.set_len(self.len).is_err();
+            return Err(format!(
+                "cannot append to the checkpoint {}: {e}; free space on its file system",
                 self.path.display()
-            )
-        })?;
+            ));
+        }
+        self.len += bytes.len() as u64;
+        self.torn = false;
         self.lines += 1;
         Ok(())
     }
@@ -247,5 +266,42 @@ mod tests {
         let r = replay(&std::fs::read_to_string(&p).unwrap());
         assert_eq!(r.lines, 2);
         assert_eq!(r.allocations["a"].quota, 99);
+    }
+
+    #[test]
+    fn a_line_cut_short_by_a_full_disk_swallows_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("j.jsonl");
+        let (mut j, _) = Journal::open(&p).unwrap();
+        j.put(&alloc("a", 1)).unwrap();
+        let good = std::fs::metadata(&p).unwrap().len();
+        let code = crate::core::tests::with_file_limit(good + 20, || {
+            // Part of the line fits, the rest does not: refused, and cut back.
+            let failed = j.put(&alloc("b", 2)).is_err();
+            failed && std::fs::metadata(&p).unwrap().len() == good
+        });
+        assert_eq!(
+            code, 0,
+            "the failed append was rolled back to the last whole line"
+        );
+        j.put(&alloc("c", 3)).unwrap();
+        let r = replay(&std::fs::read_to_string(&p).unwrap());
+        assert_eq!(r.skipped, 0);
+        assert_eq!(r.allocations.keys().collect::<Vec<_>>(), ["a", "c"]);
+    }
+
+    #[test]
+    fn a_line_that_could_not_be_cut_back_is_set_apart_from_the_next() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("j.jsonl");
+        let (mut j, _) = Journal::open(&p).unwrap();
+        j.put(&alloc("a", 1)).unwrap();
+        // What a failed truncate leaves: a fragment, and the flag.
+        j.file.write_all(b"{\"v\":1,\"put\":{\"id\":\"b").unwrap();
+        j.torn = true;
+        j.put(&alloc("c", 3)).unwrap();
+        let r = replay(&std::fs::read_to_string(&p).unwrap());
+        assert_eq!(r.skipped, 1, "the fragment alone");
+        assert_eq!(r.allocations.keys().collect::<Vec<_>>(), ["a", "c"]);
     }
 }
