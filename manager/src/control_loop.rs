@@ -19,6 +19,7 @@ use crate::gpus;
 use crate::identity;
 use crate::ids::Kind;
 use crate::plugin::Shared;
+use crate::watchdog::ComputeWatch;
 use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, ProcessView, View, SCHEMA};
 
 const PERIOD: Duration = Duration::from_millis(167);
@@ -88,6 +89,19 @@ fn tend(
     r.read()
 }
 
+/// The watchdog's kill: every process in `pids` still in the allocation's pod.
+fn kill_all(proc_root: &std::path::Path, alloc: Option<&Allocation>, pids: &[u32]) {
+    let uid = alloc.and_then(|a| a.owner.as_ref()?.uid.clone());
+    for &pid in pids {
+        match uid.as_deref().map(|u| kill_in_pod(proc_root, pid, u)) {
+            Some(Ok(true)) => warn!(pid, "watchdog: killed"),
+            Some(Ok(false)) => warn!(pid, "watchdog: not killed: no longer in the pod's cgroup"),
+            Some(Err(e)) => warn!(pid, error = %e, "watchdog: cannot kill"),
+            None => warn!(pid, "watchdog: not killed: the pod's uid is unknown"),
+        }
+    }
+}
+
 /// Start time of host process `pid` (from `proc_root`), if it runs.
 fn proc_start(proc_root: &std::path::Path, pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
@@ -154,6 +168,17 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
     let mut over_before: Vec<(String, usize)> = Vec::new();
     // Watchdog violations per (allocation, GPU) since start: the metric.
     let mut violated: HashMap<(String, usize), u64> = HashMap::new();
+    // The compute watchdog's samples, and its violations per (allocation, GPU) since start.
+    let (window, margin) = {
+        let c = shared.core.lock();
+        (
+            c.settings.watchdog_compute_window,
+            c.settings.watchdog_compute_margin,
+        )
+    };
+    let mut compute = ComputeWatch::new(window.as_millis() as u64, margin);
+    let mut compute_violated: HashMap<(String, usize), u64> = HashMap::new();
+    let epoch = Instant::now();
     let mut last_gc = Instant::now();
     let mut last_uid_lookup = Instant::now() - UID_LOOKUP_PERIOD;
     let mut next = Instant::now();
@@ -331,20 +356,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             let ps = pids.get(&id).cloned().unwrap_or_default();
             warn!(allocation = %id, container = %who, gpu = dev, used_mib = used >> 20, quota_mib = q >> 20, pids = ?ps, "watchdog: the driver reports more memory than the quota (a process bypasses libvcuda?)");
             if settings.watchdog_kill {
-                let uid = allocs
-                    .iter()
-                    .find(|a| a.id == id)
-                    .and_then(|a| a.owner.as_ref()?.uid.clone());
-                for pid in ps {
-                    match uid.as_deref().map(|u| kill_in_pod(&proc_root, pid, u)) {
-                        Some(Ok(true)) => warn!(pid, "watchdog: killed"),
-                        Some(Ok(false)) => {
-                            warn!(pid, "watchdog: not killed: no longer in the pod's cgroup")
-                        }
-                        Some(Err(e)) => warn!(pid, error = %e, "watchdog: cannot kill"),
-                        None => warn!(pid, "watchdog: not killed: the pod's uid is unknown"),
-                    }
-                }
+                kill_all(&proc_root, allocs.iter().find(|a| a.id == id), &ps);
             }
         }
         over_before = now_over;
@@ -378,6 +390,37 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
                 }
             }
         }
+        // The compute watchdog: a container's driver-reported utilization on each of its
+        // GPUs against its limit, over a window (crate::watchdog).
+        let now_ms = epoch.elapsed().as_millis() as u64;
+        for a in allocs.iter().filter(|a| a.percent < 100) {
+            let limit = a.core_limit.unwrap_or(a.percent).max(a.percent);
+            for dev in 0..a.gpus.len() {
+                let key = (a.id.clone(), dev);
+                let used = util.get(&key).copied().unwrap_or(0);
+                let Some(mean) = compute.observe(key.clone(), now_ms, used, limit) else {
+                    continue;
+                };
+                *compute_violated.entry(key).or_default() += 1;
+                let who = a.owner.as_ref().map(|o| o.key()).unwrap_or_default();
+                let ps: Vec<u32> = recent
+                    .iter()
+                    .filter(|((g, _), (sm, _))| *sm > 0 && uuids.get(*g) == a.gpus.get(dev))
+                    .map(|((_, pid), _)| *pid)
+                    .filter(|pid| {
+                        owner_of(*pid, &registered, &by_uid, &cgroup).as_deref()
+                            == Some(a.id.as_str())
+                    })
+                    .collect();
+                warn!(allocation = %a.id, container = %who, gpu = dev, utilization_percent = mean, limit_percent = limit, window_s = settings.watchdog_compute_window.as_secs(), pids = ?ps, "watchdog: the driver reports more compute than the limit (a process bypasses libvcuda?)");
+                if settings.watchdog_kill {
+                    kill_all(&proc_root, Some(a), &ps);
+                }
+            }
+        }
+        compute.retain(|(id, _)| allocs.iter().any(|a| &a.id == id));
+        compute_violated.retain(|(id, _), _| allocs.iter().any(|a| &a.id == id));
+
         let health = shared.health.borrow().clone();
         let observed = Observed {
             uuids: &uuids,
@@ -394,6 +437,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             inner_pid: &inner_pid,
             known: &known,
             violated: &violated,
+            compute_violated: &compute_violated,
         };
         *shared.view.lock() = observed.view();
 
@@ -435,6 +479,7 @@ struct Observed<'a> {
     /// Registered processes (the kernel vouched for them), by host pid.
     known: &'a BTreeMap<u32, Registration>,
     violated: &'a HashMap<(String, usize), u64>,
+    compute_violated: &'a HashMap<(String, usize), u64>,
 }
 
 impl Observed<'_> {
@@ -504,6 +549,11 @@ impl Observed<'_> {
                         oom_refusals: stat(snapshot, |s| &s.oom_refusals, dev),
                         accounting_errors: stat(snapshot, |s| &s.accounting_errors, dev),
                         watchdog_violations: self.violated.get(&key).copied().unwrap_or(0),
+                        watchdog_compute_violations: self
+                            .compute_violated
+                            .get(&key)
+                            .copied()
+                            .unwrap_or(0),
                     }
                 })
                 .collect();

@@ -34,3 +34,4 @@ pub mod metrics;
 pub mod placement;
 pub mod plugin;
 pub mod settings;
+pub mod watchdog;

@@ -212,6 +212,12 @@ pub fn encode(v: &View, node: &str) -> String {
         "Accounting errors libvcuda repaired in the container's usage region (a release of more than a process had counted, set back to zero); any is a bug to report",
         None,
     );
+    let compute_violations = family::<Counter, ContainerLabels>(
+        r,
+        "watchdog_compute_violations",
+        "Rounds in which the container's driver-reported utilization, averaged over the watchdog's window, exceeded its limit by more than the margin (a process bypassing libvcuda), since the manager started",
+        None,
+    );
     let violations = family::<Counter, ContainerLabels>(
         r,
         "watchdog_violations",
@@ -241,6 +247,9 @@ pub fn encode(v: &View, node: &str) -> String {
             oom.get_or_create(&l).inc_by(g.oom_refusals);
             accounting.get_or_create(&l).inc_by(g.accounting_errors);
             violations.get_or_create(&l).inc_by(g.watchdog_violations);
+            compute_violations
+                .get_or_create(&l)
+                .inc_by(g.watchdog_compute_violations);
         }
     }
 
@@ -407,6 +416,7 @@ mod tests {
                     oom_refusals: 7,
                     accounting_errors: 1,
                     watchdog_violations: 3,
+                    watchdog_compute_violations: 2,
                 }],
                 processes: vec![],
             }],
@@ -430,6 +440,7 @@ mod tests {
             format!("vcuda_container_oom_refusals_total{c} 7"),
             format!("vcuda_container_accounting_errors_total{c} 1"),
             format!("vcuda_watchdog_violations_total{c} 3"),
+            format!("vcuda_watchdog_compute_violations_total{c} 2"),
             format!("vcuda_gpu_memory_bytes{g} {}", 40u64 << 30),
             format!("vcuda_gpu_memory_used_bytes{g} {}", 6u64 << 30),
             format!("vcuda_gpu_utilization_percent{g} 95"),

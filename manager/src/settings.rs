@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
@@ -65,10 +66,19 @@ pub struct Flags {
     /// cgroup); tests point it at a fake tree.
     #[arg(long, value_name = "DIR")]
     pub proc_root: Option<PathBuf>,
-    /// Kill the processes of a container whose driver-reported memory exceeds its quota
-    /// (default: report only, with a log line and a metric).
+    /// Kill the processes of a container the watchdog finds in violation: driver-reported
+    /// memory over its quota, or compute over its limit (see --watchdog-compute-window).
+    /// Default: report only, with a log line and a metric.
     #[arg(long)]
     pub watchdog_kill: bool,
+    /// The compute watchdog's window: a container whose driver-reported utilization,
+    /// averaged over this many seconds, exceeds its limit (its elastic limit, else its
+    /// share) by more than --watchdog-compute-margin is in violation [default: 10].
+    #[arg(long, value_name = "SECONDS")]
+    pub watchdog_compute_window: Option<u64>,
+    /// The compute watchdog's margin over the limit, in percentage points [default: 10].
+    #[arg(long, value_name = "PERCENT")]
+    pub watchdog_compute_margin: Option<u32>,
     /// Elastic limits without an API server: `NAMESPACE/POD/CONTAINER=PERCENT` (repeatable);
     /// the container may use up to PERCENT while the GPU idles (GPUManager's
     /// `vcuda-core-limit`).
@@ -113,6 +123,8 @@ struct File {
     recover_after: Option<u64>,
     proc_root: Option<PathBuf>,
     watchdog_kill: Option<bool>,
+    watchdog_compute_window: Option<u64>,
+    watchdog_compute_margin: Option<u32>,
     #[serde(default)]
     core_limit: BTreeMap<String, u32>,
     metrics_address: Option<String>,
@@ -148,6 +160,8 @@ pub struct Settings {
     pub recover_after: u64,
     pub proc_root: PathBuf,
     pub watchdog_kill: bool,
+    pub watchdog_compute_window: Duration,
+    pub watchdog_compute_margin: u32,
     /// "namespace/pod/container" → elastic limit, percent.
     pub core_limit: BTreeMap<String, u32>,
     /// None: no metrics endpoint.
@@ -227,6 +241,17 @@ impl Settings {
             recover_after: flags.recover_after.or(file.recover_after).unwrap_or(300),
             proc_root: pick(&flags.proc_root, &file.proc_root, "/proc"),
             watchdog_kill: flags.watchdog_kill || file.watchdog_kill.unwrap_or(false),
+            watchdog_compute_window: Duration::from_secs(
+                flags
+                    .watchdog_compute_window
+                    .or(file.watchdog_compute_window)
+                    .unwrap_or(10)
+                    .max(1),
+            ),
+            watchdog_compute_margin: flags
+                .watchdog_compute_margin
+                .or(file.watchdog_compute_margin)
+                .unwrap_or(10),
             core_limit,
             metrics_address: match flags
                 .metrics_address
@@ -321,6 +346,33 @@ pub fn parse_core_limit(spec: &str) -> Result<(String, u32), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The settings file the shipped DaemonSet mounts (its ConfigMap) is one this manager
+    /// reads, and it enforces the watchdog (manager/README.md, "Security model").
+    #[test]
+    fn the_shipped_configmap_is_read_and_enforces_the_watchdog() {
+        let manifest = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/vcuda-manager.yaml"),
+        )
+        .unwrap();
+        let (_, rest) = manifest.split_once("manager.toml: |\n").unwrap();
+        let toml: String = rest
+            .lines()
+            .take_while(|l| l.starts_with("    ") || l.is_empty())
+            .map(|l| format!("{}\n", l.trim_start()))
+            .collect();
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("manager.toml");
+        std::fs::write(&path, toml).unwrap();
+        let s = Settings::load(&Flags {
+            config: Some(path),
+            ..Flags::default()
+        })
+        .unwrap();
+        assert!(s.watchdog_kill);
+        assert_eq!(s.watchdog_compute_window, Duration::from_secs(10));
+        assert_eq!(s.watchdog_compute_margin, 10);
+    }
 
     #[test]
     fn defaults_are_the_kubelets_standard_paths() {

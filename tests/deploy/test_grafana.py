@@ -29,6 +29,7 @@ CONTAINER_METRICS = {
     "vcuda_container_oom_refusals_total",
     "vcuda_container_accounting_errors_total",
     "vcuda_watchdog_violations_total",
+    "vcuda_watchdog_compute_violations_total",
 }
 GPU_MANAGER_METRICS = {
     "container_gpu_utilization",
@@ -158,6 +159,7 @@ def test_the_panels_asked_for(dashboard):
         "vcuda_container_oom_refusals_total",
         "vcuda_watchdog_violations_total",
         "vcuda_container_accounting_errors_total",
+        "vcuda_watchdog_compute_violations_total",
     ):
         assert any(re.search(rf"\bincrease\(\s*{counter}\b", e) for e in exprs), counter
     # the utilization panel is a time series with both series

@@ -331,3 +331,35 @@ def test_a_neighbours_pid_written_into_the_region_gets_nobody_killed(node, bins)
 
 def registrations(node):
     return node.log().count("process registered")
+
+
+def test_a_process_bypassing_the_library_is_caught_for_compute_too(node, bins):
+    """Before: the watchdog looked at memory only, so a process that bypasses libvcuda (a
+    static binary, raw ioctls; here: one started without the preload) ran a 30 % container
+    at 100 % of the GPU unseen. Now a container whose driver-reported utilization, over the
+    watchdog's window, exceeds its limit by more than the margin is a violation: the log
+    line, the metric, and with --watchdog-kill the process killed. A process the library
+    holds at its share is never flagged."""
+    node.stop_manager()
+    node.start_manager("--watchdog-kill", "--watchdog-compute-window", "2").wait_registered()
+    a = node.admit("a", core=30, memory=16)
+    held = node.admit("held", core=30, memory=16)
+    ca, ch = node.container(a, "a"), node.container(held, "held")
+    bypass_env = dict(ca.env)
+    bypass_env.pop("LD_PRELOAD")
+    ca.env, saved = bypass_env, ca.env
+    bypass = ca.popen([bins["load"], "--kernel", "spin_1ms", "--seconds", 30])
+    ca.env = saved
+    fair = ch.popen([bins["load"], "--kernel", "spin_1ms", "--seconds", 30])
+    try:
+        wait_for("the compute watchdog", lambda: "more compute than the limit" in node.log(), timeout=6)
+        bypass.wait(timeout=5)
+        assert bypass.returncode == -9, "the bypassing process was not killed"
+        assert node.metric("vcuda_watchdog_compute_violations_total", pod="a") >= 1
+        assert fair.poll() is None, "the process held to its share was killed"
+        assert not node.metric("vcuda_watchdog_compute_violations_total", pod="held")
+    finally:
+        for p in (bypass, fair):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -79,8 +79,14 @@ pub struct ContainerGpuView {
     /// bug to report. Absent from older managers' answers: 0.
     #[serde(default)]
     pub accounting_errors: u64,
-    /// Watchdog violations since the manager started.
+    /// Watchdog violations since the manager started: rounds in which the driver reported
+    /// more memory than the quota.
     pub watchdog_violations: u64,
+    /// Compute watchdog violations since the manager started: rounds in which the
+    /// driver-reported utilization, averaged over the watchdog's window, exceeded the limit
+    /// by more than its margin. Absent from older managers' answers: 0.
+    #[serde(default)]
+    pub watchdog_compute_violations: u64,
 }
 
 /// A process of a container.

@@ -236,6 +236,7 @@ mod tests {
                 oom_refusals: 2,
                 accounting_errors: 0,
                 watchdog_violations: 0,
+                watchdog_compute_violations: 0,
             }],
             processes: vec![ProcessView {
                 host_pid: 4242,

@@ -1,0 +1,147 @@
+//! The compute watchdog's rule (pure: no clock, no NVML). The library holds every process
+//! it runs in to the container's compute share; a process that bypasses it (a static
+//! binary, raw ioctls, the library patched out of its memory) shows up only in what the
+//! driver reports. So each control-loop round feeds the container's driver-reported
+//! utilization on each of its GPUs here, and a container whose mean over a whole window
+//! exceeds its limit by more than a margin is in violation.
+//!
+//! Why a window and a margin: the limiter is accurate to about ±2 pp over a second and lets
+//! a bucket of 10 ms through at once, and NVML's samples are integers over ~1/6 s periods.
+//! A 10 s window and a 10 pp margin (the defaults) never flag a container the library holds,
+//! and catch a bypass within about one window.
+
+use std::collections::{BTreeMap, VecDeque};
+
+/// What the rule needs to know per (allocation, GPU of the allocation).
+pub type Key = (String, usize);
+
+/// The rule's settings and the recent samples of every container GPU it watches.
+#[derive(Debug)]
+pub struct ComputeWatch {
+    window_ms: u64,
+    margin_percent: u32,
+    samples: BTreeMap<Key, VecDeque<(u64, u32)>>,
+}
+
+impl ComputeWatch {
+    pub fn new(window_ms: u64, margin_percent: u32) -> Self {
+        ComputeWatch {
+            window_ms: window_ms.max(1),
+            margin_percent,
+            samples: BTreeMap::new(),
+        }
+    }
+
+    /// One round: at `now_ms`, container GPU `key`'s processes used `util` percent of the
+    /// GPU (summed over its processes, as the driver reports), and may use `limit` percent.
+    /// Returns the window's mean when it is a violation: samples span the whole window and
+    /// their mean exceeds `limit + margin`. The window then starts afresh: a sustained
+    /// excess is one violation per window, not one per round.
+    pub fn observe(&mut self, key: Key, now_ms: u64, util: u32, limit: u32) -> Option<u32> {
+        let q = self.samples.entry(key).or_default();
+        q.push_back((now_ms, util));
+        while q
+            .front()
+            .is_some_and(|&(t, _)| now_ms.saturating_sub(t) > self.window_ms)
+        {
+            q.pop_front();
+        }
+        let (first, _) = *q.front()?;
+        // Not a whole window yet (a container just started, or the manager did).
+        if now_ms.saturating_sub(first) + self.window_ms / 10 < self.window_ms {
+            return None;
+        }
+        let mean = q.iter().map(|&(_, u)| u64::from(u)).sum::<u64>() / q.len() as u64;
+        let mean = u32::try_from(mean).unwrap_or(u32::MAX);
+        if mean <= limit.saturating_add(self.margin_percent) {
+            return None;
+        }
+        q.clear();
+        Some(mean)
+    }
+
+    /// Forget container GPUs no longer watched.
+    pub fn retain(&mut self, keep: impl Fn(&Key) -> bool) {
+        self.samples.retain(|k, _| keep(k));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key() -> Key {
+        ("a1".into(), 0)
+    }
+
+    #[test]
+    fn a_bypass_is_flagged_once_a_whole_window_is_over_the_limit() {
+        let mut w = ComputeWatch::new(10_000, 10);
+        // 30 % share, a process running flat out: nothing before the window is full.
+        let flagged: Vec<_> = (0..=60)
+            .map(|i| w.observe(key(), i * 167, 100, 30))
+            .collect();
+        assert!(flagged[..54].iter().all(Option::is_none));
+        assert_eq!(flagged[54], Some(100));
+        assert!(
+            flagged[55..].iter().all(Option::is_none),
+            "a new window begins"
+        );
+    }
+
+    #[test]
+    fn within_the_margin_is_no_violation() {
+        let mut w = ComputeWatch::new(10_000, 10);
+        for i in 0..200 {
+            // 30 % share, 39-40 % seen: within the 10 pp margin.
+            assert_eq!(w.observe(key(), i * 167, 39 + (i % 2) as u32, 30), None);
+        }
+    }
+
+    #[test]
+    fn a_burst_shorter_than_the_window_is_no_violation() {
+        let mut w = ComputeWatch::new(10_000, 10);
+        for i in 0..200u64 {
+            // 1 s at 100 % in every 10 s, 30 % otherwise: a mean of 37 %, under 30 + 10.
+            let util = if i % 60 < 6 { 100 } else { 30 };
+            assert_eq!(w.observe(key(), i * 167, util, 30), None, "round {i}");
+        }
+    }
+
+    #[test]
+    fn containers_and_gpus_are_watched_apart_and_forgotten() {
+        let mut w = ComputeWatch::new(1_000, 0);
+        let mut flagged = [0, 0];
+        for t in 0..20 {
+            flagged[0] += usize::from(w.observe(("a".into(), 0), t * 100, 90, 50).is_some());
+            flagged[1] += usize::from(w.observe(("a".into(), 1), t * 100, 10, 50).is_some());
+        }
+        assert_eq!(flagged, [2, 0], "GPU 0 once per window, GPU 1 never");
+        for t in 20..29 {
+            w.observe(("a".into(), 0), t * 100, 90, 50);
+        }
+        w.retain(|k| k.1 == 1);
+        assert_eq!(
+            w.observe(("a".into(), 0), 2_900, 90, 50),
+            None,
+            "forgotten: starts over"
+        );
+    }
+
+    proptest! {
+        /// A container held to its limit (anything at or under it, in any order) is never
+        /// flagged, whatever the margin.
+        #[test]
+        fn at_or_under_the_limit_is_never_a_violation(
+            limit in 1u32..100,
+            utils in proptest::collection::vec(0u32..=100, 1..300),
+            margin in 0u32..20,
+        ) {
+            let mut w = ComputeWatch::new(5_000, margin);
+            for (i, u) in utils.into_iter().enumerate() {
+                prop_assert_eq!(w.observe(key(), i as u64 * 167, u.min(limit), limit), None);
+            }
+        }
+    }
+}
