@@ -17,6 +17,12 @@
 //!
 //! Without coverage feedback, novelty is approximated by the sequence of outcome kinds an input
 //! produces: an input with an unseen sequence joins the corpus.
+//!
+//! Every fourth execution fuzzes the manager's region reader instead (`region_file::parse`,
+//! which reads a file any process of a container can write): a valid region with live slots,
+//! made by the library's and the manager's own code, mutated the same way (sizes included).
+//! Invariants: nothing panics; a region that parses has the region's size, at most
+//! `MAX_PROCS` slots, and no counter that reads negative.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashSet};
@@ -29,6 +35,8 @@ use vcuda_contract::control::{
     FrameDecoder, Hello, Reply, Request, LEN_BYTES, MAX_ALLOCATION_LEN, MAX_FRAME, MAX_REASON_LEN,
     PROTOCOL_VERSION,
 };
+use vcuda_contract::region::{Region, MAX_PROCS, REGION_SIZE};
+use vcuda_contract::region_file::{parse, RegionFile};
 
 const USAGE: &str =
     "usage: fuzz_control [--seconds N (default 60)] [--seed S (default: from the clock)]";
@@ -433,6 +441,46 @@ thread_local! {
     static PANIC: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
+/// A valid region's bytes: made by the manager (`RegionFile`), with live slots and counters
+/// written by the library (`Region`).
+fn region_seed() -> Result<Vec<u8>, String> {
+    let dir = std::env::temp_dir().join(format!("vcuda-fuzz-region-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let path = dir.join("region");
+    let uuids = [[7u8; 16], [9u8; 16]];
+    let made = RegionFile::create_or_open(&path, &uuids).map_err(|e| e.to_string());
+    let lib = Region::open_or_create(&path, &uuids).map_err(|e| e.to_string());
+    let bytes = made.and_then(|_| {
+        let lib = lib?;
+        for n in [3u64 << 20, 5 << 30] {
+            let me = lib.claim().map_err(|e| e.to_string())?;
+            lib.reserve(me, 1, n, u64::MAX);
+            lib.set_hidden(me, 0, n / 2);
+        }
+        std::fs::read(&path).map_err(|e| e.to_string())
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    bytes
+}
+
+/// Parse one region input; `Ok(true)` if it parsed, `Err` if an invariant broke.
+fn check_region(bytes: &[u8]) -> Result<bool, String> {
+    let Ok(s) = parse(bytes, &[[7u8; 16], [9u8; 16]]) else {
+        return Ok(false);
+    };
+    if bytes.len() != REGION_SIZE {
+        return Err(format!("a region of {} bytes parsed", bytes.len()));
+    }
+    if s.slots.len() > MAX_PROCS {
+        return Err(format!("{} slots", s.slots.len()));
+    }
+    if s.slots.iter().flat_map(|r| &r.api).any(|&v| v >= 1 << 47) {
+        return Err("a counter reads negative".into());
+    }
+    let _ = (s.used(0), s.used(1), s.active().count());
+    Ok(true)
+}
+
 fn main() -> ExitCode {
     let (seconds, seed) = match parse_args() {
         Ok(a) => a,
@@ -456,6 +504,14 @@ fn main() -> ExitCode {
     }));
 
     let mut rng = Rng::new(seed);
+    let region_seed = match region_seed() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("fuzz_control: cannot make a region to fuzz: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (mut region_execs, mut region_parsed) = (0u64, 0u64);
     let mut corpus = seeds();
     let n_seeds = corpus.len();
     let mut seen: HashSet<Vec<&'static str>> = HashSet::new();
@@ -475,6 +531,34 @@ fn main() -> ExitCode {
             }
             input.clone_from(&corpus[rng.below(corpus.len())]);
             mutate(&mut rng, &corpus, &mut input);
+        }
+        if stats.execs % 4 == 3 {
+            // The region reader's turn.
+            let mut bytes = region_seed.clone();
+            for _ in 0..1 + rng.below(4) {
+                mutate(&mut rng, std::slice::from_ref(&region_seed), &mut bytes);
+            }
+            let parsed = panic::catch_unwind(AssertUnwindSafe(|| check_region(&bytes)));
+            stats.execs += 1;
+            region_execs += 1;
+            let failure = match parsed {
+                Ok(Ok(ok)) => {
+                    region_parsed += u64::from(ok);
+                    None
+                }
+                Ok(Err(why)) => Some(why),
+                Err(_) => Some(PANIC.with(|p| p.borrow().clone())),
+            };
+            if let Some(why) = failure {
+                eprintln!(
+                    "fuzz_control: FAILED in the region reader after {} executions (seed {seed}): {why}\n  input ({} bytes): {}",
+                    stats.execs,
+                    bytes.len(),
+                    hex(&bytes)
+                );
+                return ExitCode::FAILURE;
+            }
+            continue;
         }
         chunks.clear();
         for _ in 0..1 + rng.below(8) {
@@ -514,7 +598,7 @@ fn main() -> ExitCode {
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     println!(
-        "fuzz_control: seed {seed}, {secs:.0} s: {} executions, {:.0} execs/s, {} frames, decoded OK {} ({} Request, {} Reply), rejected by kind: {}; corpus {}, no invariant violated",
+        "fuzz_control: seed {seed}, {secs:.0} s: {} executions, {:.0} execs/s, {} frames, decoded OK {} ({} Request, {} Reply), rejected by kind: {}; corpus {}; region reader: {region_execs} inputs, {region_parsed} parsed; no invariant violated",
         stats.execs,
         stats.execs as f64 / secs.max(1e-9),
         stats.frames,
