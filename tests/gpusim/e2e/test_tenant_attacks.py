@@ -363,3 +363,74 @@ def test_a_process_bypassing_the_library_is_caught_for_compute_too(node, bins):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+TRUNCATE_LOOP = r"""
+import os, sys, time, tomllib
+cfg = tomllib.load(open(os.environ["VCUDA_CONFIG"], "rb"))
+end = time.monotonic() + float(sys.argv[1])
+size = os.path.getsize(cfg["region"])
+print("started", flush=True)
+while time.monotonic() < end:
+    os.truncate(cfg["region"], 0)
+    time.sleep(0.001)
+    os.truncate(cfg["region"], size)
+"""
+
+
+def test_the_node_keeps_admitting_while_three_containers_attack_at_once(node, tmp_path):
+    """Three tenants at once: one floods the control socket with slow connections, one
+    truncates its region in a loop, one keeps swapping its region for a link to a
+    neighbour's. Meanwhile the node admits pods as fast as before (each Allocate and
+    PreStartContainer, through kubelet-sim, within 1 s and within 3× the slowest admission
+    before the attack, or 0.25 s), the manager stays up, and a bystander's share is
+    untouched."""
+    import threading
+
+    bystander = node.container(node.admit("bystander", core=40, memory=8), "bystander")
+    wait_for("the bystander's share", lambda: region_header_field(bystander.region, "core_override")[0] == 400_000)
+    before = []
+    for i in range(5):
+        t0 = time.monotonic()
+        admit_within(node, f"before-{i}", core=1, memory=1)
+        before.append(time.monotonic() - t0)
+    flooder, truncater, swapper = (node.container(node.admit(p, core=5, memory=2), p) for p in ("fl", "tr", "sw"))
+    flood = flooder.popen([sys.executable, "-c", SLOW_FLOOD, 300, 30])
+    trunc = truncater.popen([sys.executable, "-c", TRUNCATE_LOOP, 30])
+    stop = threading.Event()
+    aside = swapper.region.with_name("region.aside")
+
+    def swap():
+        os.rename(swapper.region, aside)
+        while not stop.is_set():
+            os.symlink(bystander.region, swapper.region)
+            os.unlink(swapper.region)
+            os.symlink(tmp_path / "planted", swapper.region)
+            os.unlink(swapper.region)
+        os.rename(aside, swapper.region)
+
+    swapping = threading.Thread(target=swap)
+    try:
+        assert flood.stdout.readline().startswith("connected=")
+        assert trunc.stdout.readline().strip() == "started"
+        swapping.start()
+        # Admit for 2 s (a dozen control-loop rounds, each of which reads every region).
+        during, end = [], time.monotonic() + 2
+        while time.monotonic() < end or len(during) < 10:
+            t0 = time.monotonic()
+            admit_within(node, f"during-{len(during)}", core=1, memory=1)
+            during.append(time.monotonic() - t0)
+            time.sleep(0.15)  # pacing: a dozen pods fit on the simulated GPUs
+        slowest = max(before)
+        print(f"admissions: {len(during)} during the attack, slowest {max(during) * 1e3:.1f} ms (before it: {slowest * 1e3:.1f} ms)")
+        # (A floor of 0.25 s: these are milliseconds, and a busy machine adds more.)
+        assert max(during) <= max(3 * slowest, 0.25), f"admissions took {during}, before the attack {before}"
+        assert node.manager.poll() is None, "the manager died"
+        assert region_header_field(bystander.region, "core_override")[0] == 400_000
+        assert not (tmp_path / "planted").exists()
+    finally:
+        stop.set()
+        swapping.join()
+        for p in (flood, trunc):
+            p.kill()
+            p.wait()
