@@ -701,21 +701,13 @@ impl State {
 
     /// Charge `bytes` of device memory on GPU `g` to process `p`; false if the GPU is full.
     pub fn charge(&self, g: usize, p: &ProcHandle, bytes: u64) -> bool {
-        // The real driver frees a process's memory the moment it dies; gpusim notices deaths
-        // lazily. Before a charge could set a new high-water mark, reclaim the dead, so the
-        // peak never counts a dead process's memory together with a live one's.
-        let gpu = self.gpu(g);
-        if gpu.mem_used.load(Relaxed).saturating_add(bytes) > gpu.mem_peak.load(Relaxed) {
-            self.reap_dead();
-        }
         if self.try_charge(g, p, bytes) {
             return true;
         }
-        // Full: memory held by processes that died may be what is missing.
-        if self.reap_dead() > 0 {
-            return self.try_charge(g, p, bytes);
-        }
-        false
+        // Full: memory held by processes that died may be what is missing, reaped by this
+        // call or by a concurrent one (which is why the count reaped here does not matter).
+        self.reap_dead();
+        self.try_charge(g, p, bytes)
     }
 
     fn try_charge(&self, g: usize, p: &ProcHandle, bytes: u64) -> bool {
@@ -732,8 +724,15 @@ impl State {
                 Err(c) => cur = c,
             }
         };
-        gpu.mem_peak.fetch_max(next, Relaxed);
         self.slots()[p.slot as usize].mem[g].fetch_add(bytes, Relaxed);
+        // The real driver frees a process's memory the moment it dies; gpusim notices deaths
+        // lazily. So a new high-water mark is recorded only after reaping the dead, as what
+        // is in use then: the peak never counts a dead process's memory with a live one's,
+        // however many charges race (each that would raise it reaps first).
+        if next > gpu.mem_peak.load(Relaxed) {
+            self.reap_dead();
+            gpu.mem_peak.fetch_max(gpu.mem_used.load(Relaxed), Relaxed);
+        }
         true
     }
 
