@@ -541,7 +541,6 @@ impl Region {
 
     // ---- processes --------------------------------------------------------------------
 
-    /// Slot `i`'s lock `l`: one byte beyond the end of the file (never part of the mapping).
     fn lock_byte(
         &self,
         i: usize,
@@ -549,21 +548,7 @@ impl Region {
         cmd: libc::c_int,
         ltype: libc::c_int,
     ) -> std::io::Result<libc::c_int> {
-        let at = match l {
-            Lock::Owner => REGION_SIZE + i,
-            Lock::Transition => REGION_SIZE + MAX_PROCS + i,
-        };
-        // SAFETY: flock is plain data; zero is a valid value (l_pid must be 0 for OFD locks).
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = ltype as libc::c_short;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        fl.l_start = at as libc::off_t;
-        fl.l_len = 1;
-        // SAFETY: fd is open; fl is valid.
-        if unsafe { libc::fcntl(self.fd.as_raw_fd(), cmd, &mut fl) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(libc::c_int::from(fl.l_type))
+        slot_lock(&self.fd, i, l, cmd, ltype)
     }
 
     /// Whether slot `i`'s process still runs. `check_pid` adds the pid and start-time check,
@@ -735,9 +720,37 @@ impl Owners for Shared<'_> {
     }
 }
 
+/// Slot `i`'s lock `l` on the region open as `fd`: one byte beyond the end of the file
+/// (never part of a mapping), an open-file-description lock. `cmd` is `F_OFD_SETLK` or
+/// `F_OFD_GETLK`, neither of which waits; returns the lock type (`F_OFD_GETLK`: `F_UNLCK`
+/// when it could be taken).
+pub(crate) fn slot_lock(
+    fd: &OwnedFd,
+    i: usize,
+    l: Lock,
+    cmd: libc::c_int,
+    ltype: libc::c_int,
+) -> std::io::Result<libc::c_int> {
+    let at = match l {
+        Lock::Owner => REGION_SIZE + i,
+        Lock::Transition => REGION_SIZE + MAX_PROCS + i,
+    };
+    // SAFETY: flock is plain data; zero is a valid value (l_pid must be 0 for OFD locks).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = ltype as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = at as libc::off_t;
+    fl.l_len = 1;
+    // SAFETY: fd is open; fl is valid.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), cmd, &mut fl) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(libc::c_int::from(fl.l_type))
+}
+
 /// The bytes a raw allocation counter holds; a counter that reads negative counts as zero.
 #[inline]
-fn held(raw: u64) -> u64 {
+pub(crate) fn held(raw: u64) -> u64 {
     let b = raw & API_BYTES;
     if b >= API_NEGATIVE {
         0

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use crate::config::MAX_GPUS;
 use crate::region::{
-    RegionHeader, Slot, API_BYTES, MAX_PROCS, REGION_MAGIC, REGION_SIZE, REGION_VERSION,
+    held, slot_lock, RegionHeader, Slot, MAX_PROCS, REGION_MAGIC, REGION_SIZE, REGION_VERSION,
 };
 use crate::slot::{self, Lock, Reclaim, Slots, SLOT_ACTIVE};
 
@@ -125,14 +125,6 @@ pub fn parse(b: &[u8], uuids: &[[u8; 16]]) -> Result<Snapshot, String> {
             uuids.len()
         ));
     }
-    let held = |raw: u64| {
-        let v = raw & API_BYTES;
-        if v >= 1 << 47 {
-            0
-        } else {
-            v
-        }
-    };
     let slots = (0..MAX_PROCS)
         .map(|i| {
             let s = slot_at(i);
@@ -352,19 +344,7 @@ impl RegionFile {
     }
 
     fn lock_cmd(&self, i: usize, l: Lock, cmd: libc::c_int, ltype: libc::c_int) -> Option<i32> {
-        let at = match l {
-            Lock::Owner => REGION_SIZE + i,
-            Lock::Transition => REGION_SIZE + MAX_PROCS + i,
-        };
-        // SAFETY: flock is plain data; zero is a valid value (l_pid must be 0 for OFD locks).
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = ltype as libc::c_short;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        fl.l_start = at as libc::off_t;
-        fl.l_len = 1;
-        // SAFETY: fd is open; fl is valid. F_OFD_SETLK and F_OFD_GETLK never wait.
-        let rc = unsafe { libc::fcntl(self.fd.as_raw_fd(), cmd, &mut fl) };
-        (rc == 0).then_some(i32::from(fl.l_type))
+        slot_lock(&self.fd, i, l, cmd, ltype).ok()
     }
 
     fn u32_field(&self, at: usize) -> u32 {
