@@ -22,7 +22,8 @@ use crate::robust::RawRobustMutex;
 /// "GPUSIMST" little-endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUSIMST");
 /// Layout version; bump on any change to the structs below.
-pub const VERSION: u32 = 2;
+/// Version 3: memory in use is the sum of the process slots (no separate total).
+pub const VERSION: u32 = 3;
 pub const MAX_GPUS: usize = 8;
 pub const MAX_PROCS: usize = 128;
 /// Contexts per GPU (across all processes) that can hold queued work.
@@ -91,10 +92,8 @@ pub struct XidRec {
 #[repr(C)]
 pub struct Gpu {
     pub lock: RawRobustMutex,
-    /// Device memory in use by all processes, bytes.
-    pub mem_used: AtomicU64,
-    /// Highest `mem_used` since the file was created or `gpusim reset-peak` (raised with
-    /// `fetch_max` by every successful charge).
+    /// Highest memory in use (the sum of the process slots' charges) since the file was
+    /// created or `gpusim reset-peak`, recorded after reaping dead processes.
     pub mem_peak: AtomicU64,
     /// Number of XIDs injected; also the futex word event waiters sleep on.
     pub xid_count: AtomicU32,

@@ -5,7 +5,7 @@
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use crate::config::{Config, ConfigError};
@@ -638,8 +638,7 @@ impl State {
                     }
                 }
             }
-            let mem = s.mem[g].swap(0, Relaxed);
-            self.gpu(g).mem_used.fetch_sub(mem, Relaxed);
+            s.mem[g].store(0, SeqCst);
             s.contexts[g].store(0, Relaxed);
         }
         s.state.store(SLOT_FREE, Release);
@@ -710,28 +709,28 @@ impl State {
         self.try_charge(g, p, bytes)
     }
 
+    /// Memory is counted only in the process slots, never in a separate total: a process
+    /// killed between two updates would leave such a total wrong for good (a SIGKILL storm
+    /// leaked hundreds of MiB into it). A charge announces the bytes in its own slot, then
+    /// sums every slot and withdraws if the GPU is over capacity (two charges racing for the
+    /// last bytes may both withdraw: a rare, spurious "full", never an overcommit).
     fn try_charge(&self, g: usize, p: &ProcHandle, bytes: u64) -> bool {
         let cap = self.usable_memory(g);
-        let gpu = self.gpu(g);
-        let used = &gpu.mem_used;
-        let mut cur = used.load(Relaxed);
-        let next = loop {
-            let Some(next) = cur.checked_add(bytes).filter(|&n| n <= cap) else {
-                return false;
-            };
-            match used.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
-                Ok(_) => break next,
-                Err(c) => cur = c,
-            }
-        };
-        self.slots()[p.slot as usize].mem[g].fetch_add(bytes, Relaxed);
+        let mine = &self.slots()[p.slot as usize].mem[g];
+        mine.fetch_add(bytes, SeqCst);
+        let used = self.sum_mem(g, SeqCst);
+        if used > cap {
+            mine.fetch_sub(bytes, SeqCst);
+            return false;
+        }
         // The real driver frees a process's memory the moment it dies; gpusim notices deaths
         // lazily. So a new high-water mark is recorded only after reaping the dead, as what
         // is in use then: the peak never counts a dead process's memory with a live one's,
         // however many charges race (each that would raise it reaps first).
-        if next > gpu.mem_peak.load(Relaxed) {
+        let gpu = self.gpu(g);
+        if used > gpu.mem_peak.load(Relaxed) {
             self.reap_dead();
-            gpu.mem_peak.fetch_max(gpu.mem_used.load(Relaxed), Relaxed);
+            gpu.mem_peak.fetch_max(self.sum_mem(g, SeqCst), Relaxed);
         }
         true
     }
@@ -742,12 +741,18 @@ impl State {
         if s.state.load(Acquire) != SLOT_ACTIVE || s.generation.load(Relaxed) != p.generation {
             return; // reaped meanwhile: already given back
         }
-        s.mem[g].fetch_sub(bytes, Relaxed);
-        self.gpu(g).mem_used.fetch_sub(bytes, Relaxed);
+        s.mem[g].fetch_sub(bytes, SeqCst);
+    }
+
+    /// Memory in use on GPU `g`: every process slot's charges (a free slot's are zero).
+    fn sum_mem(&self, g: usize, order: std::sync::atomic::Ordering) -> u64 {
+        self.slots()
+            .iter()
+            .fold(0u64, |acc, s| acc.saturating_add(s.mem[g].load(order)))
     }
 
     pub fn memory_used(&self, g: usize) -> u64 {
-        self.gpu(g).mem_used.load(Relaxed)
+        self.sum_mem(g, Relaxed)
     }
 
     /// The most memory GPU `g` has had in use at once since the state was created or
@@ -760,8 +765,8 @@ impl State {
     /// racing with the reset is not lost: the peak ends at least at the use when this returns.
     pub fn reset_peak(&self, g: usize) {
         let gpu = self.gpu(g);
-        gpu.mem_peak.store(gpu.mem_used.load(Relaxed), Relaxed);
-        gpu.mem_peak.fetch_max(gpu.mem_used.load(Relaxed), Relaxed);
+        gpu.mem_peak.store(self.memory_used(g), Relaxed);
+        gpu.mem_peak.fetch_max(self.memory_used(g), Relaxed);
     }
 
     pub fn add_context(&self, g: usize, p: &ProcHandle, delta: i32) {
