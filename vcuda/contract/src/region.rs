@@ -551,23 +551,28 @@ impl Region {
         slot_lock(&self.fd, i, l, cmd, ltype)
     }
 
-    /// Whether slot `i`'s process still runs. `check_pid` adds the pid and start-time check,
-    /// valid only inside the container's pid namespace.
+    /// Whether slot `i`'s process still runs, or is still exiting. `check_pid`: the caller is
+    /// inside the container's pid namespace, where the kernel's word decides: the owner is
+    /// there while its pid names a process started at its recorded start time that is not
+    /// yet a zombie. The owner lock alone cannot say it: a dying process closes its
+    /// descriptors (and so drops its locks) before the driver has freed its memory, and
+    /// reclaiming its slot then lets a peer allocate into memory still held (the overshoot
+    /// left in issue 23's kill storms); and a child forked without `exec` shares a dead
+    /// owner's lock. Without `check_pid` (or a start time), the lock.
     pub fn holder_alive(&self, i: u32, check_pid: bool) -> bool {
         let s = &self.slots()[i as usize];
         let pid = s.pid.load(Relaxed);
+        let start = s.start_time.load(Relaxed);
         if check_pid && pid == std::process::id() {
             return true;
         }
-        match self.lock_byte(i as usize, Lock::Owner, libc::F_OFD_GETLK, libc::F_WRLCK) {
-            Ok(t) if t == libc::F_UNLCK => return false,
-            Ok(_) => {}
-            Err(_) => return true,
+        if check_pid && start != 0 {
+            return proc_start_time(pid) == Some(start);
         }
-        // The lock is held: by the owner, or by a child it forked (which shares the lock
-        // until it opens the region itself). Without a recorded start time, trust the lock.
-        let start = s.start_time.load(Relaxed);
-        !check_pid || start == 0 || proc_start_time(pid) == Some(start)
+        !matches!(
+            self.lock_byte(i as usize, Lock::Owner, libc::F_OFD_GETLK, libc::F_WRLCK),
+            Ok(t) if t == libc::F_UNLCK
+        )
     }
 
     /// The slot machines' view of this region ([`crate::slot::Slots`]).
@@ -1021,6 +1026,60 @@ mod tests {
         assert_eq!(r.used(0), 0);
         assert!(r.owns(me));
         assert_eq!(r.reclaim_dead(true), 0, "we are alive");
+    }
+
+    /// A dying process drops its locks before the driver frees its memory: while its pid
+    /// still names it (not yet a zombie), its slot stays counted.
+    #[test]
+    fn an_owner_whose_lock_is_gone_but_which_still_runs_is_not_reclaimed() {
+        let (d, r) = region();
+        let path = d.path().join("region");
+        let mut go = [0i32; 2];
+        // SAFETY: a pipe for the parent to tell the child when to end.
+        assert_eq!(unsafe { libc::pipe(go.as_mut_ptr()) }, 0);
+        // SAFETY: the child claims, reserves, drops its lock and waits; no locks are shared
+        // with the parent's threads in between.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            let r2 = Region::open_or_create(&path, &[U0, U1]).unwrap();
+            let me = r2.claim().unwrap();
+            r2.reserve(me, 0, 5000, u64::MAX);
+            let _ = r2.lock_byte(
+                me.index as usize,
+                Lock::Owner,
+                libc::F_OFD_SETLK,
+                libc::F_UNLCK,
+            );
+            let mut b = [0u8; 1];
+            // SAFETY: the child keeps only the read end, and reads it until the parent closes
+            // the write end.
+            unsafe {
+                libc::close(go[1]);
+                libc::read(go[0], b.as_mut_ptr().cast(), 1)
+            };
+            // SAFETY: end the child at once.
+            unsafe { libc::_exit(0) };
+        }
+        // SAFETY: the parent keeps only the write end.
+        unsafe { libc::close(go[0]) };
+        let unlocked = || {
+            r.slots().iter().enumerate().any(|(i, s)| {
+                s.state.load(Acquire) == SLOT_ACTIVE
+                    && matches!(r.lock_byte(i, Lock::Owner, libc::F_OFD_GETLK, libc::F_WRLCK), Ok(t) if t == libc::F_UNLCK)
+            })
+        };
+        while !unlocked() {
+            std::thread::yield_now();
+        }
+        assert_eq!(r.reclaim_dead(true), 0, "still running: not reclaimed");
+        assert_eq!(r.used(0), 5000);
+        // SAFETY: closing our end lets the child end; then reap it.
+        unsafe { libc::close(go[1]) };
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(child, &mut status, 0) };
+        assert_eq!(r.reclaim_dead(true), 1);
+        assert_eq!(r.used(0), 0);
     }
 
     /// Many threads reserving and releasing at random never hold more than the limit,

@@ -347,6 +347,14 @@ impl RegionFile {
         slot_lock(&self.fd, i, l, cmd, ltype).ok()
     }
 
+    fn u64_field(&self, at: usize) -> u64 {
+        let mut b = [0u8; 8];
+        match self.read_at(&mut b, at) {
+            Ok(8) => u64::from_le_bytes(b),
+            _ => 0,
+        }
+    }
+
     fn u32_field(&self, at: usize) -> u32 {
         let mut b = [0u8; 4];
         match self.read_at(&mut b, at) {
@@ -379,10 +387,26 @@ impl Slots for RegionFile {
     fn generation(&self, i: usize) -> u32 {
         self.u32_field(slot_at(i) + offset_of!(Slot, generation))
     }
-    /// The manager owns no slot and sees no container's pids: the owner lock alone tells.
+    /// The manager sees no container's pid namespace. The owner lock held: alive. Gone: the
+    /// owner is exiting or dead, and only the kernel can tell which (a dying process drops
+    /// its locks before the driver frees its memory). So the slot is taken for dead only if
+    /// the host pid the manager gave it (at registration) no longer names a process started
+    /// at the slot's start time; a slot without one is left to the container's own
+    /// processes, whose check is exact. (A container that writes these fields can only keep
+    /// its own dead slots counted.)
     fn owner_alive(&self, i: usize) -> bool {
-        self.lock_cmd(i, Lock::Owner, libc::F_OFD_GETLK, libc::F_WRLCK)
-            .is_none_or(|t| t != libc::F_UNLCK)
+        let locked = self
+            .lock_cmd(i, Lock::Owner, libc::F_OFD_GETLK, libc::F_WRLCK)
+            .is_none_or(|t| t != libc::F_UNLCK);
+        if locked {
+            return true;
+        }
+        let host_pid = self.u32_field(slot_at(i) + offset_of!(Slot, host_pid));
+        let start = self.u64_field(slot_at(i) + offset_of!(Slot, start_time));
+        host_pid == 0
+            || host_pid == u32::MAX
+            || start == 0
+            || crate::region::proc_start_time(host_pid) == Some(start)
     }
     fn zero(&self, i: usize) {
         let from = slot_at(i) + offset_of!(Slot, api);
@@ -565,7 +589,16 @@ mod tests {
         let mut status = 0;
         // SAFETY: waiting for our own child.
         unsafe { libc::waitpid(child, &mut status, 0) };
-        assert_eq!(f.read().unwrap().used(0), 5000);
+        let s = f.read().unwrap();
+        assert_eq!(s.used(0), 5000);
+        assert_eq!(
+            f.reclaim_dead().unwrap(),
+            0,
+            "unregistered: left to the container's processes"
+        );
+        // Registered (the manager wrote its host pid): the kernel says it is gone.
+        let index = s.active().next().unwrap().index;
+        f.set_host_pid(index, child as u32).unwrap();
         assert_eq!(f.reclaim_dead().unwrap(), 1);
         let s = f.read().unwrap();
         assert_eq!((s.used(0), s.slots.len()), (0, 0));

@@ -15,9 +15,12 @@
 //! the kernel when the last descriptor of the description is closed: at death, by SIGKILL
 //! too.
 //! - **Owner** ([`Lock::Owner`]): held by the process that owns the slot for its whole life.
-//!   Its absence is how others learn that the owner died (plus, inside the container's pid
-//!   namespace, a pid and start-time check for a forked child that shares the dead owner's
-//!   description).
+//!   Held, it says the owner lives. Gone, it does not say the owner is dead: a dying process
+//!   closes its descriptors before the driver has freed its memory. So where the kernel can
+//!   be asked (inside the container's pid namespace; the manager, by the host pid it gave at
+//!   registration), the owner is there while its pid names a process started at its start
+//!   time that is not yet a zombie; that also tells a forked child sharing a dead owner's
+//!   description from the owner.
 //! - **Transition** ([`Lock::Transition`]): held for the few actions of a state change.
 //!   *Every* change of `state`, and every write to a slot that is not one's own, happens
 //!   under it. So two transitions of one slot never interleave (the root of issue 23: a
@@ -51,8 +54,9 @@
 //! 1. A slot a live process owns stays ACTIVE with its generation: nobody else zeroes or
 //!    frees it.
 //! 2. A live owner's counter is never below the memory it holds (announce before the
-//!    driver allocates, release after the driver frees), so the container's true use never
-//!    exceeds the quota.
+//!    driver allocates, release after the driver frees), and a dying owner's stays counted
+//!    until the driver has freed its memory; so the memory the driver holds for the
+//!    container's processes never exceeds the quota.
 //! 3. Counters are never negative, and a FREE slot's are zero.
 //! 4. When every process has stopped, one reclaim leaves only slots whose owner lock is
 //!    still held (by a live process): nothing is stuck and nothing dead is counted.
