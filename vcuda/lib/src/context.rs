@@ -162,6 +162,10 @@ enum Cost {
     Module,
 }
 
+/// What a context is held at while none has been measured in the region yet: above what one
+/// costs on current GPUs (about 300-500 MiB), capped at the quota.
+const FIRST_CONTEXT_GUESS: u64 = 512 << 20;
+
 /// Run `make` (which creates a context or loads a module on `dev`), with the last measured
 /// cost of one held in reserve; measure its real cost; undo with `undo` and fail if the
 /// container ends up over its quota.
@@ -176,7 +180,14 @@ fn costed(
         Cost::Context => &v.region.header().ctx_cost[dev],
         Cost::Module => &v.region.header().module_cost[dev],
     };
-    let est = learned.load(Relaxed);
+    let learned_cost = learned.load(Relaxed);
+    // The first context of a fresh region has no learned cost: hold a provisional one while
+    // it is made, or the container's other processes could fill the quota meanwhile and the
+    // context would take it past (by up to a context, seen in kill storms).
+    let est = match what {
+        Cost::Context if learned_cost == 0 => FIRST_CONTEXT_GUESS.min(v.limit(dev)),
+        _ => learned_cost,
+    };
     if est > 0 && !v.reserve(dev, est) {
         return refuse_for_quota(v, dev);
     }
