@@ -191,6 +191,27 @@ pub struct NodeInventory {
     pub schema: u32,
     /// The GPUs.
     pub gpus: Vec<GpuInventory>,
+    /// What each pod the manager has set up holds here (its containers' allocations, after
+    /// PreStartContainer). Namespace quotas count these: unlike a pod's own annotations,
+    /// a tenant cannot edit them (optional: absent from older writers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<PodHolding>,
+}
+
+/// What one pod holds on the node, as vcuda-manager allocated it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodHolding {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub name: String,
+    /// The pod's UID, when the manager knows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    /// Per GPU: the larger of its app containers' sum and any one init container (a whole
+    /// GPU: 100 % and the GPU's memory).
+    pub gpus: Vec<GpuShare>,
 }
 
 /// An amount on one GPU: used in [`Assignment`]s and [`Reservation`]s.
@@ -299,7 +320,33 @@ mod tests {
                     allocated: Allocated::default(),
                 },
             ],
+            pods: vec![],
         }
+    }
+
+    #[test]
+    fn pod_holdings_are_pinned_and_optional() {
+        let mut inv = inventory();
+        inv.pods.push(PodHolding {
+            namespace: "ml".into(),
+            name: "train".into(),
+            uid: Some("u-1".into()),
+            gpus: vec![GpuShare {
+                uuid: "GPU-a".into(),
+                core_percent: 30,
+                memory_bytes: 4 << 30,
+            }],
+        });
+        let json = serde_json::to_string(&inv).unwrap();
+        assert!(
+            json.ends_with(r#""pods":[{"namespace":"ml","name":"train","uid":"u-1","gpus":[{"uuid":"GPU-a","corePercent":30,"memoryBytes":4294967296}]}]}"#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<NodeInventory>(&json).unwrap(), inv);
+        // An older writer's inventory has none; an empty list is not written.
+        assert!(!serde_json::to_string(&inventory())
+            .unwrap()
+            .contains("pods"));
     }
 
     #[test]

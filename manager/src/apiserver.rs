@@ -140,6 +140,35 @@ impl ApiServer {
             .and_then(|s| serde_json::from_str(&s).ok()))
     }
 
+    /// The pods bound to this node and the scheduler's reservations, each pod's assignment
+    /// kept only where a reservation vouches for it ([`assign::vouch`]).
+    pub async fn vouched_pods(&self) -> Result<(Vec<PodFacts>, Option<Reservations>), String> {
+        let (mut pods, reservations) = tokio::try_join!(self.node_pods(), self.reservations())?;
+        for p in &mut pods {
+            if let Some(why) = assign::vouch(p, reservations.as_ref()) {
+                warn!("{why}");
+            }
+        }
+        Ok((pods, reservations))
+    }
+
+    /// One pod (`None`: it does not exist) and the reservations, vouched as
+    /// [`Self::vouched_pods`].
+    pub async fn vouched_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<(Option<PodFacts>, Option<Reservations>), String> {
+        let (mut pod, reservations) =
+            tokio::try_join!(self.pod(namespace, name), self.reservations())?;
+        if let Some(p) = &mut pod {
+            if let Some(why) = assign::vouch(p, reservations.as_ref()) {
+                warn!("{why}");
+            }
+        }
+        Ok((pod, reservations))
+    }
+
     /// One pod (`None`: it does not exist).
     pub async fn pod(&self, namespace: &str, name: &str) -> Result<Option<PodFacts>, String> {
         Api::<KPod>::namespaced(self.client.clone(), namespace)
@@ -232,7 +261,7 @@ impl ApiServer {
             })
             .cloned()
             .collect();
-        let inv = assign::node_inventory(&inventory, &health, &counted);
+        let inv = assign::node_inventory(&inventory, &health, &counted, &pods);
         let inv_json = serde_json::to_string(&inv).map_err(|e| e.to_string())?;
         let mut patch = serde_json::Map::new();
         if ann.get(INVENTORY_ANNOTATION) != Some(&inv_json) {

@@ -22,8 +22,8 @@ use std::collections::{BTreeMap, HashSet};
 
 use k8s_openapi::api::core::v1::{Container, Pod};
 use vcuda_cluster::{
-    Allocated, Assignment, GpuInventory, GpuShare, NodeInventory, PeerLink, Reservations,
-    ASSIGNMENT_ANNOTATION, GPU_COUNT_ANNOTATION, MAX_GPU_COUNT, SCHEMA,
+    Allocated, Assignment, GpuInventory, GpuShare, NodeInventory, PeerLink, PodHolding,
+    Reservations, ASSIGNMENT_ANNOTATION, GPU_COUNT_ANNOTATION, MAX_GPU_COUNT, SCHEMA,
 };
 
 use crate::allocation::Allocation;
@@ -63,6 +63,9 @@ pub struct PodFacts {
     /// When the pod was bound, ms since the epoch, as well as known: the scheduler's
     /// `boundUnixMs`, else the PodScheduled condition's time (seconds), else creation.
     pub bound_ms: u64,
+    /// The same without the assignment's word: the PodScheduled condition's time, else
+    /// creation (what [`vouch`] falls back to).
+    pub scheduled_ms: u64,
     /// Succeeded, Failed, or being deleted.
     pub finished: bool,
     /// The scheduler's assignment; `Err` when the annotation is not readable.
@@ -164,14 +167,15 @@ pub fn facts(pod: &Pod, domain: &str) -> PodFacts {
         })
         .and_then(|c| c.last_transition_time.as_ref())
         .map(|t| t.0.timestamp_millis().max(0) as u64);
+    let scheduled_ms = scheduled_ms.unwrap_or(created_ms);
     let bound_ms = match &assignment {
         Some(Ok(a)) => a.bound_unix_ms,
         _ => None,
     }
-    .or(scheduled_ms)
-    .unwrap_or(created_ms);
+    .unwrap_or(scheduled_ms);
     PodFacts {
         bound_ms,
+        scheduled_ms,
         namespace: meta.namespace.clone().unwrap_or_default(),
         name: meta.name.clone().unwrap_or_default(),
         uid: meta.uid.clone().unwrap_or_default(),
@@ -186,6 +190,64 @@ pub fn facts(pod: &Pod, domain: &str) -> PodFacts {
         gpu_count,
         containers,
     }
+}
+
+/// Drop the pod's `vcuda.io/assignment` unless vcuda-scheduler bound the pod: the pod's
+/// owner can write its annotations (at creation, with `spec.nodeName` set to skip the
+/// scheduler, or by patching them after the bind), but not the Node's
+/// `vcuda.io/reservations`, which the scheduler writes before every Binding and the manager
+/// retires only once every app container is set up. So the assignment is followed only
+/// while a reservation names the pod's UID and holds, on every GPU the assignment names, at
+/// least what the assignment puts there (the app containers' sum, or any one init
+/// container; for a pod with one such container, the reservation is what is followed).
+/// Otherwise it is a tenant's word: dropped, with its `boundUnixMs`, and the
+/// manager places the pod as if it had none. Returns why, for the log.
+pub fn vouch(pod: &mut PodFacts, reservations: Option<&Reservations>) -> Option<String> {
+    let Some(Ok(a)) = &pod.assignment else {
+        return None;
+    };
+    let who = format!("pod {}/{}", pod.namespace, pod.name);
+    let why = match reservations.and_then(|r| r.pods.iter().find(|r| r.uid == pod.uid)) {
+        None => Some(format!("{who} carries {ASSIGNMENT_ANNOTATION} but no vcuda-scheduler reservation on this node names it (bound by another scheduler, created with spec.nodeName, or reserved too long ago): ignored, the manager places it itself")),
+        // One container: [`effective`] follows the reservation itself (an exchange with an
+        // identical pod rewrites it), not the annotation.
+        Some(r) if pod.single() && !r.gpus.is_empty() => None,
+        Some(r) => {
+            let init: HashSet<&str> = pod
+                .containers
+                .iter()
+                .filter(|c| c.init)
+                .map(|c| c.name.as_str())
+                .collect();
+            // per GPU: (app core, app memory, init core, init memory)
+            let mut per: BTreeMap<&str, (u64, u64, u64, u64)> = BTreeMap::new();
+            for (container, shares) in &a.containers {
+                for s in shares {
+                    let e = per.entry(s.uuid.as_str()).or_default();
+                    let (c, m) = (u64::from(s.core_percent), s.memory_bytes);
+                    if init.contains(container.as_str()) {
+                        (e.2, e.3) = (e.2.max(c), e.3.max(m));
+                    } else {
+                        (e.0, e.1) = (e.0.saturating_add(c), e.1.saturating_add(m));
+                    }
+                }
+            }
+            per.iter()
+                .find(|(uuid, &(ac, am, ic, im))| {
+                    !r.gpus.iter().any(|g| {
+                        g.uuid == **uuid
+                            && u64::from(g.core_percent) >= ac.max(ic)
+                            && g.memory_bytes >= am.max(im)
+                    })
+                })
+                .map(|(uuid, _)| format!("{who}: {ASSIGNMENT_ANNOTATION} puts more on GPU {uuid} than vcuda-scheduler reserved for it on this node (the annotation was edited after the bind): ignored, the manager places it itself"))
+        }
+    };
+    if why.is_some() {
+        pod.assignment = None;
+        pod.bound_ms = pod.scheduled_ms;
+    }
+    why
 }
 
 /// Who holds which resource, from PodResources: `(namespace, pod, container, kind)`.
@@ -475,21 +537,22 @@ fn link(l: Link) -> vcuda_cluster::Link {
 /// allocations hold (a whole GPU counts 100 % and its memory; an allocation PreStartContainer
 /// has not finished counts its share and no memory yet: its pod's reservation still counts
 /// the memory until [`retire`] drops it).
-pub fn node_inventory(inv: &Inventory, health: &[bool], allocs: &[Allocation]) -> NodeInventory {
-    let gpus = inv
+pub fn node_inventory(
+    inv: &Inventory,
+    health: &[bool],
+    allocs: &[Allocation],
+    pods: &[PodFacts],
+) -> NodeInventory {
+    let gpus: Vec<GpuInventory> = inv
         .gpus
         .iter()
         .enumerate()
         .map(|(i, g)| {
             let mut allocated = Allocated::default();
             for a in allocs.iter().filter(|a| a.gpus.contains(&g.uuid)) {
-                if a.percent >= CORES_PER_GPU {
-                    allocated.core_percent += CORES_PER_GPU;
-                    allocated.memory_bytes += g.memory;
-                } else {
-                    allocated.core_percent += a.percent;
-                    allocated.memory_bytes += a.quota;
-                }
+                let (c, m) = take(a, g.memory);
+                allocated.core_percent += c;
+                allocated.memory_bytes += m;
             }
             allocated.core_percent = allocated.core_percent.min(CORES_PER_GPU);
             allocated.memory_bytes = allocated.memory_bytes.min(g.memory);
@@ -517,10 +580,73 @@ pub fn node_inventory(inv: &Inventory, health: &[bool], allocs: &[Allocation]) -
             }
         })
         .collect();
+    let pods = holdings(inv, allocs, pods);
     NodeInventory {
         schema: SCHEMA,
         gpus,
+        pods,
     }
+}
+
+/// What an allocation takes on one GPU of `memory` bytes: (percent, bytes).
+fn take(a: &Allocation, memory: u64) -> (u32, u64) {
+    if a.percent >= CORES_PER_GPU {
+        (CORES_PER_GPU, memory)
+    } else {
+        (a.percent, a.quota)
+    }
+}
+
+/// Per pod with set-up allocations (an owner): per GPU, the larger of its app containers'
+/// sum and any one init container (whose container is an init one is read from `pods`; a
+/// pod not listed counts every container as an app container, the larger figure), capped
+/// at the whole GPU. The record namespace quotas count (see [`PodHolding`]).
+pub fn holdings(inv: &Inventory, allocs: &[Allocation], pods: &[PodFacts]) -> Vec<PodHolding> {
+    // (namespace, pod) → GPU index → ((app core, app memory), (init core, init memory))
+    type Sums = BTreeMap<usize, ((u32, u64), (u32, u64))>;
+    let mut by_pod: BTreeMap<(&str, &str), (Option<&str>, Sums)> = BTreeMap::new();
+    for a in allocs {
+        let Some(o) = &a.owner else { continue };
+        let facts = pods
+            .iter()
+            .find(|p| p.namespace == o.namespace && p.name == o.pod);
+        let init =
+            facts.is_some_and(|p| p.containers.iter().any(|c| c.name == o.container && c.init));
+        let uid = facts.map(|p| p.uid.as_str()).or(o.uid.as_deref());
+        let entry = by_pod
+            .entry((o.namespace.as_str(), o.pod.as_str()))
+            .or_insert_with(|| (uid, Sums::new()));
+        for (i, g) in inv.gpus.iter().enumerate() {
+            if !a.gpus.contains(&g.uuid) {
+                continue;
+            }
+            let (c, m) = take(a, g.memory);
+            let sums = entry.1.entry(i).or_default();
+            if init {
+                sums.1 .0 = sums.1 .0.max(c);
+                sums.1 .1 = sums.1 .1.max(m);
+            } else {
+                sums.0 .0 = sums.0 .0.saturating_add(c);
+                sums.0 .1 = sums.0 .1.saturating_add(m);
+            }
+        }
+    }
+    by_pod
+        .into_iter()
+        .map(|((namespace, name), (uid, sums))| PodHolding {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            uid: uid.map(str::to_string),
+            gpus: sums
+                .into_iter()
+                .map(|(i, ((ac, am), (ic, im)))| GpuShare {
+                    uuid: inv.gpus[i].uuid.clone(),
+                    core_percent: ac.max(ic).min(CORES_PER_GPU),
+                    memory_bytes: am.max(im).min(inv.gpus[i].memory),
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 /// The reservations on the Node that are over (their uids): the pod's every app container is
@@ -579,6 +705,7 @@ mod tests {
             uid: format!("uid-{name}"),
             created: created.into(),
             bound_ms: 0,
+            scheduled_ms: 0,
             finished: false,
             assignment: None,
             gpu_count: Ok(1),
@@ -938,7 +1065,8 @@ mod tests {
             alloc(&[A], 20, 0), // not configured yet: no memory
             alloc(&[B], 100, 0),
         ];
-        let n = node_inventory(&inv, &[true, false], &allocs);
+        let n = node_inventory(&inv, &[true, false], &allocs, &[]);
+        assert!(n.pods.is_empty(), "no allocation has an owner yet");
         assert_eq!(
             n.gpus[0].allocated,
             Allocated {
@@ -963,6 +1091,158 @@ mod tests {
         );
         assert_eq!((n.gpus[0].numa_node, n.gpus[1].numa_node), (Some(0), None));
         assert_eq!(n.gpus[1].compute_capability(), (8, 0));
+    }
+
+    #[test]
+    fn the_inventory_records_what_each_pod_holds_init_containers_at_their_largest() {
+        let inv = Inventory {
+            gpus: vec![
+                Gpu {
+                    uuid: A.into(),
+                    memory: 40 << 30,
+                    minor: 0,
+                },
+                Gpu {
+                    uuid: B.into(),
+                    memory: 40 << 30,
+                    minor: 1,
+                },
+            ],
+            node: node(),
+            numa: vec![None, None],
+            models: vec!["NVIDIA A100-SXM4-40GB".into(); 2],
+            compute: vec!["8.0".into(); 2],
+        };
+        let owned = |gpus: &[&str], percent, quota, pod: &str, container: &str| Allocation {
+            owner: Some(Owner {
+                namespace: "ns".into(),
+                pod: pod.into(),
+                container: container.into(),
+                uid: None,
+            }),
+            ..alloc(gpus, percent, quota)
+        };
+        let mut p = pod("p", "t", &[("init", 40, 8), ("a", 20, 4), ("b", 30, 4)]);
+        p.containers[0].init = true;
+        let allocs = vec![
+            owned(&[A], 40, 8 << 30, "p", "init"),
+            owned(&[A], 20, 1 << 30, "p", "a"),
+            owned(&[A], 30, 1 << 30, "p", "b"),
+            owned(&[B], 100, 0, "q", "c"), // a pod the manager does not list: no uid
+            alloc(&[B], 10, 0),            // not set up yet: its reservation counts it
+        ];
+        let n = node_inventory(&inv, &[true, true], &allocs, &[p]);
+        let share = |uuid: &str, core_percent, memory_bytes| GpuShare {
+            uuid: uuid.into(),
+            core_percent,
+            memory_bytes,
+        };
+        assert_eq!(
+            n.pods,
+            vec![
+                PodHolding {
+                    namespace: "ns".into(),
+                    name: "p".into(),
+                    uid: Some("uid-p".into()),
+                    // app 20 + 30 = 50 % beats the init container's 40 %; its 8 GiB beats 2
+                    gpus: vec![share(A, 50, 8 << 30)],
+                },
+                PodHolding {
+                    namespace: "ns".into(),
+                    name: "q".into(),
+                    uid: None,
+                    gpus: vec![share(B, 100, 40 << 30)],
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn an_assignment_is_followed_only_while_the_schedulers_reservation_vouches_for_it() {
+        let share = |uuid: &str, core_percent, gib: u64| GpuShare {
+            uuid: uuid.into(),
+            core_percent,
+            memory_bytes: gib << 30,
+        };
+        let reserved = |uid: &str, gpus: Vec<GpuShare>| Reservations {
+            schema: SCHEMA,
+            pods: vec![Reservation {
+                namespace: "ns".into(),
+                name: "x".into(),
+                uid: uid.into(),
+                gpus,
+                created_unix_ms: 0,
+            }],
+        };
+        // `assign` for one more container
+        let add = |p: &mut PodFacts, container: &str, shares: &[(&str, u32, u64)]| {
+            let Some(Ok(mut a)) = p.assignment.take() else {
+                panic!("assign first")
+            };
+            assign(p, container, shares);
+            let Some(Ok(b)) = p.assignment.take() else {
+                unreachable!()
+            };
+            a.containers.extend(b.containers);
+            p.assignment = Some(Ok(a));
+        };
+        let two = || {
+            let mut p = pod("p", "t", &[("a", 30, 8), ("b", 20, 8)]);
+            assign(&mut p, "a", &[(A, 30, 2)]);
+            add(&mut p, "b", &[(A, 20, 2)]);
+            p.bound_ms = 1; // the assignment's boundUnixMs
+            p.scheduled_ms = 7;
+            p
+        };
+        // The scheduler's own: reserved 50 % and 4 GiB on A for this uid.
+        let mut p = two();
+        let ok = reserved("uid-p", vec![share(A, 50, 4)]);
+        assert_eq!(vouch(&mut p, Some(&ok)), None);
+        assert!(matches!(p.assignment, Some(Ok(_))) && p.bound_ms == 1);
+        // Created with spec.nodeName and a forged assignment: no reservation names it.
+        for res in [None, Some(reserved("uid-other", vec![share(A, 50, 4)]))] {
+            let mut p = two();
+            let why = vouch(&mut p, res.as_ref()).expect("refused");
+            assert!(
+                why.contains("pod ns/p") && why.contains("no vcuda-scheduler reservation"),
+                "{why}"
+            );
+            assert_eq!(
+                (p.assignment.is_none(), p.bound_ms),
+                (true, 7),
+                "its bound time goes too"
+            );
+        }
+        // Edited after the bind: steered to GPU B, or more than reserved on A.
+        let mut p = two();
+        add(&mut p, "b", &[(B, 20, 2)]);
+        let why = vouch(&mut p, Some(&ok)).expect("refused");
+        assert!(
+            why.contains(B) && why.contains("edited after the bind"),
+            "{why}"
+        );
+        let mut p = two();
+        add(&mut p, "b", &[(A, 70, 2)]);
+        assert!(vouch(&mut p, Some(&ok)).is_some());
+        // One container: the reservation is followed (an exchange rewrites it), not the text.
+        let mut p = pod("s", "t", &[("c", 50, 8)]);
+        assign(&mut p, "c", &[(B, 50, 2)]);
+        assert_eq!(
+            vouch(&mut p, Some(&reserved("uid-s", vec![share(A, 50, 2)]))),
+            None
+        );
+        assert_eq!(
+            effective(
+                &p,
+                "c",
+                Some(&reserved("uid-s", vec![share(A, 50, 2)])),
+                &BTreeMap::new()
+            ),
+            Ok(Some(vec![share(A, 50, 2)]))
+        );
+        // No assignment: nothing to say.
+        let mut p = pod("n", "t", &[("c", 50, 8)]);
+        assert_eq!(vouch(&mut p, None), None);
     }
 
     #[test]

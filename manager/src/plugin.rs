@@ -346,7 +346,7 @@ impl Shared {
             // With the API server, a container is configured only with its pod's
             // annotations at hand (assignment, gpu-count).
             let cluster = match &self.api {
-                Some(api) => match tokio::try_join!(api.node_pods(), api.reservations()) {
+                Some(api) => match api.vouched_pods().await {
                     Ok(c) => Some(c),
                     Err(e) => {
                         tracing::debug!(error = %e, "not configuring ahead: PreStartContainer will read the pod");
@@ -423,7 +423,7 @@ impl Shared {
     ) -> Vec<Option<Vec<(String, usize)>>> {
         let none = vec![None; requests.len()];
         let node = self.core.lock().inventory.node.clone();
-        let (pods, reservations) = match tokio::try_join!(api.node_pods(), api.reservations()) {
+        let (pods, reservations) = match api.vouched_pods().await {
             Ok(c) => c,
             Err(e) => {
                 warn!(error = %e, "GetPreferredAllocation without the scheduler's assignments");
@@ -537,10 +537,7 @@ impl Shared {
         api: &ApiServer,
         held: &Holdings,
     ) -> (Option<PodFacts>, Option<Result<Vec<GpuShare>, String>>) {
-        let (pod, reservations) = match tokio::try_join!(
-            api.pod(&held.namespace, &held.pod),
-            api.reservations()
-        ) {
+        let (pod, reservations) = match api.vouched_pod(&held.namespace, &held.pod).await {
             Ok(c) => c,
             Err(e) => {
                 warn!(error = %e, "PreStartContainer without the pod's annotations (assignment and gpu-count not checked)");
@@ -569,7 +566,12 @@ impl Shared {
         }
         // A disagreement: is it an exchange with an identical pod?
         let (pods, holds) = match tokio::try_join!(api.node_pods(), self.holds()) {
-            Ok((p, (h, _))) => (p, h),
+            Ok((mut p, (h, _))) => {
+                for y in &mut p {
+                    assign::vouch(y, reservations.as_ref());
+                }
+                (p, h)
+            }
             Err(e) => {
                 warn!(error = %e, "cannot look for an identical pod to exchange with");
                 return (Some(pod), assigned);

@@ -41,9 +41,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpusim" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "scheduler"))
 
 from conftest import GPUSIM, LIB, VCUDA_LIB, Sim  # noqa: E402
 from node_common import CORE, KUBELET_SIM, MANAGER, MEMORY, Node, wait_for  # noqa: E402
+import extender_tls  # noqa: E402
 
 APISERVER_SIM = ROOT / "tests" / "apiserver-sim" / "apiserver_sim.py"
 SCHEDULER = pathlib.Path(os.environ.get("VCUDA_SCHEDULER_BIN", ROOT / "target" / "release" / "vcuda-scheduler"))
@@ -310,7 +312,7 @@ class Scheduler:
     def verb(self, name, body):
         req = urllib.request.Request(f"{self.url}/{name}", data=json.dumps(body).encode(), method="POST")
         req.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with extender_tls.urlopen(req, timeout=30) as r:
             assert r.status == 200, (name, r.status)
             return json.loads(r.read())
 
@@ -380,12 +382,13 @@ class Cluster:
 
     def start_scheduler(self, i):
         log = open(self.tmp / f"scheduler{i}.log", "w")
-        p = subprocess.Popen([SCHEDULER, "--listen", "127.0.0.1:0", "--kubeconfig", str(self.kubeconfig)],
+        p = subprocess.Popen([SCHEDULER, "--listen", "127.0.0.1:0", "--kubeconfig", str(self.kubeconfig),
+                              *extender_tls.flags()],
                              stdout=subprocess.PIPE, stderr=log, text=True)
         self.procs.append(p)
         line = p.stdout.readline()
         try:
-            return "http://" + json.loads(line)["listen"]
+            return "https://" + json.loads(line)["listen"]
         except (json.JSONDecodeError, KeyError):
             raise AssertionError(f"vcuda-scheduler did not start: {line!r}; see {log.name}")
 
@@ -572,6 +575,16 @@ def test_gpu_count_without_api_access_is_refused_with_a_reason(tmp_path):
         node.close()
 
 
+def reserve(cluster, node, pod, shares):
+    """Write the pod's reservation on the Node as vcuda-scheduler's bind does (a tenant cannot:
+    it has no right to patch Nodes)."""
+    pod = cluster.api.pod(pod)
+    res = annotation(cluster.api.node(node), RESERVATIONS) or {"schema": 1, "pods": []}
+    res["pods"].append({"namespace": "default", "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"],
+                        "gpus": shares, "createdUnixMs": int(time.time() * 1000)})
+    cluster.api.merge_patch(f"/api/v1/nodes/{node}", {"metadata": {"annotations": {RESERVATIONS: json.dumps(res)}}})
+
+
 @pytest.mark.parametrize("hog_memory", [160, None], ids=["gpu-taken-whole", "only-its-cores-taken"])
 def test_a_disagreement_with_the_assignment_fails_the_container_with_a_reason(cluster, hog_memory):
     cluster.wait_inventories()
@@ -583,9 +596,16 @@ def test_a_disagreement_with_the_assignment_fails_the_container_with_a_reason(cl
     assert hog.state == "running", hog
     ((full, _, _),) = hog.configs["main"]
     (free,) = set(node.uuids) - {full}
-    # A hand-written assignment to the full GPU: the kubelet can only give the other one.
-    wrong = {"schema": 1, "containers": {"main": [{"uuid": full, "corePercent": 30, "memoryBytes": 4 * GIB}]}}
-    cluster.create_pod("wrong", [("main", 30, 16)], {ASSIGNMENT: json.dumps(wrong)}, node=node.name)
+    # The scheduler's assignment to the full GPU (and its reservation): the kubelet can only
+    # give the other one. The pod is created unbound, so the reservation exists before the
+    # kubelet sees it, as after a real bind.
+    share = {"uuid": full, "corePercent": 30, "memoryBytes": 4 * GIB}
+    wrong = {"schema": 1, "containers": {"main": [share]}}
+    cluster.create_pod("wrong", [("main", 30, 16)], {ASSIGNMENT: json.dumps(wrong)})
+    reserve(cluster, node.name, "wrong", [share])
+    cluster.api.create("/api/v1/namespaces/default/pods/wrong/binding",
+                       {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "wrong"},
+                        "target": {"apiVersion": "v1", "kind": "Node", "name": node.name}})
     out = cluster.outcome("wrong")
     assert out.state in ("failed", "rejected"), out
     assert ASSIGNMENT in out.reason and full in out.reason and free in out.reason, out.reason
@@ -593,6 +613,29 @@ def test_a_disagreement_with_the_assignment_fails_the_container_with_a_reason(cl
     pod = cluster.api.pod("wrong")
     shown = json.dumps(pod["status"])
     assert ASSIGNMENT in shown, pod["status"]
+
+
+def test_an_assignment_the_scheduler_did_not_bind_is_ignored(cluster):
+    """Issue 11, point 11: a tenant creating its pod with spec.nodeName and a hand-written
+    vcuda.io/assignment (or editing it after the bind) cannot steer the manager: without the
+    scheduler's reservation on the Node the assignment is not followed."""
+    cluster.wait_inventories()
+    node = cluster.nodes["gpu-node-0"]
+    cluster.create_pod("hog", [("main", 100, 160)], node=node.name)
+    hog = cluster.outcome("hog")
+    assert hog.state == "running", hog
+    ((full, _, _),) = hog.configs["main"]
+    (free,) = set(node.uuids) - {full}
+    forged = {"schema": 1, "boundUnixMs": 1,
+              "containers": {"main": [{"uuid": full, "corePercent": 30, "memoryBytes": 4 * GIB}]}}
+    cluster.create_pod("steer", [("main", 30, 16)], {ASSIGNMENT: json.dumps(forged)}, node=node.name)
+    out = cluster.outcome("steer")
+    # Before: the manager followed the forged text and failed the pod (or, on a node where
+    # the named GPU had room, put it where another pod's reservation was). Now it places the
+    # pod itself and says why in its log.
+    assert out.state == "running", out
+    assert out.configs["main"] == [(free, 30, 4 * GIB)], out.configs
+    assert "pod default/steer carries vcuda.io/assignment but no vcuda-scheduler reservation" in node.log()
 
 
 def test_without_an_assignment_the_manager_chooses_and_the_pod_runs(cluster):
