@@ -44,6 +44,7 @@ fn node(rng: &mut Rng, id: usize, gpus: u32) -> NodeView {
     let mut inv = NodeInventory {
         schema: SCHEMA,
         gpus: Vec::new(),
+        pods: Vec::new(),
     };
     for i in 0..gpus {
         let mem = mem_gib * GIB;

@@ -9,16 +9,18 @@
 //! governs. Namespaces without a rule are not affected and cost nothing.
 //!
 //! **Usage** of a namespace = its pods that are bound, not finished (phase not Succeeded /
-//! Failed) and carry `vcuda.io/assignment`, each GPU's model looked up in the inventory of
-//! the pod's node, plus the pending claims. Pods are listed fresh for every check.
+//! Failed) and ask for vcuda resources, each charged what the records of its node say
+//! ([`bound_charges`]: the manager's record of its allocations, else the scheduler's
+//! reservation, else its whole request; never the pod's own, tenant-editable annotations),
+//! plus the pending claims. Pods are listed fresh for every check.
 //!
 //! **Claims: why two replicas never over-admit.** A bind of a pod in a namespace with a quota
 //! runs [`claim`] before it reserves GPUs on the Node:
 //! 1. read the ConfigMap (fresh): its `resourceVersion` and the claims in
 //!    [`CLAIMS_ANNOTATION`];
 //! 2. list the namespace's pods — *after* step 1;
-//! 3. drop the claims that are counted from the pod list already, whose pod cannot bind any
-//!    more (gone, finished, bound without an assignment), or older than [`CLAIM_TTL`];
+//! 3. drop the claims that are counted from the pod list already (bound), whose pod cannot
+//!    bind any more (gone, finished), or older than [`CLAIM_TTL`];
 //! 4. check usage (pods + remaining claims) + the pod's charges ≤ quota;
 //! 5. merge-patch the ConfigMap's claims with the pod's claim appended, the patch carrying
 //!    the `resourceVersion` of step 1. A 409 Conflict (another bind, or an edit, came first)
@@ -27,8 +29,9 @@
 //! The API server applies these writes one at a time and refuses any whose
 //! `resourceVersion` is stale, so successful claim writes form a sequence in which each one
 //! was checked against a ConfigMap that already held every earlier claim. An earlier claim
-//! is left out of that check only if step 3 dropped it: either its pod was listed as bound
-//! with an assignment, and is counted from the pod list instead; or its pod had been
+//! is left out of that check only if step 3 dropped it: either its pod was listed as bound,
+//! and is counted from the pod list instead (by its node's records, which the bind wrote
+//! before the Binding; a node list older than them charges the whole request); or its pod had been
 //! deleted or finished before step 2, so its Binding can no longer succeed (a Binding
 //! carries the pod's UID); or it is older than [`CLAIM_TTL`], and a bind never creates its
 //! Binding later than [`CLAIM_DEADLINE`] after its claim (it checks just before). So every
@@ -41,21 +44,22 @@
 //! A claim outlives a failed bind only if removing it fails too; a retried bind of the same
 //! pod replaces it, and otherwise it is dropped once the pod is deleted or after the TTL.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use k8s_openapi::api::core::v1::{ConfigMap, Pod as KPod};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod as KPod};
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::Api;
 use serde_json::json;
 use thiserror::Error;
-use vcuda_cluster::{Assignment, NodeInventory, ASSIGNMENT_ANNOTATION, INVENTORY_ANNOTATION};
+use vcuda_cluster::{NodeInventory, Reservations, INVENTORY_ANNOTATION, RESERVATIONS_ANNOTATION};
 
 use crate::quota::{
-    namespace_usage, parse_claims, pod_charges, prune_claims, Amount, Claim, Claims, NamespaceRule,
-    PodQuotaState, PodUse, QuotaConfig, QuotaRefusal, CLAIMS_ANNOTATION,
+    bound_charges, namespace_usage, parse_claims, prune_claims, Amount, Claim, Claims, Demand,
+    NamespaceRule, PodQuotaState, PodUse, QuotaConfig, QuotaRefusal, Record, CLAIMS_ANNOTATION,
 };
+use crate::request::parse_integer_quantity;
 use crate::server::{AppState, NodeMetas};
 use crate::settings::ConfigMapRef;
 
@@ -329,28 +333,53 @@ impl QuotaSource {
     }
 }
 
-/// GPU UUID → model for the nodes in `metas` that `wanted` names (inventories parsed once).
-fn models(metas: &NodeMetas, wanted: &BTreeSet<&str>) -> HashMap<String, String> {
-    let mut out = HashMap::new();
-    for node in wanted {
-        let Some(inv) = metas
-            .get(*node)
-            .and_then(|m| m.annotations.get(INVENTORY_ANNOTATION))
-            .and_then(|s| serde_json::from_str::<NodeInventory>(s).ok())
-        else {
-            continue;
+/// What a pod asks for, from its spec (containers' limits, else requests).
+fn demand(p: &KPod, domain: &str) -> Demand {
+    let (core, memory) = (
+        format!("{domain}/vcuda-core"),
+        format!("{domain}/vcuda-memory"),
+    );
+    let read = |c: &Container| -> (u64, u64) {
+        let r = c.resources.as_ref();
+        let get = |name: &str| {
+            r.and_then(|r| r.limits.as_ref())
+                .and_then(|l| l.get(name))
+                .or_else(|| {
+                    r.and_then(|r| r.requests.as_ref())
+                        .and_then(|l| l.get(name))
+                })
+                .and_then(|q| parse_integer_quantity(&q.0))
+                .unwrap_or(0)
         };
-        for g in inv.gpus {
-            out.insert(g.uuid, g.model);
-        }
+        (get(&core), get(&memory))
+    };
+    let spec = p.spec.as_ref();
+    Demand {
+        app: spec
+            .map(|s| s.containers.iter().map(read).collect())
+            .unwrap_or_default(),
+        init: spec
+            .and_then(|s| s.init_containers.as_ref())
+            .map(|cs| cs.iter().map(read).collect())
+            .unwrap_or_default(),
     }
-    out
 }
 
-/// The namespace's pods as the quota sees them. GPU models come from the node list cached
-/// by the server; `strict` (bind) re-lists the nodes when a GPU is not found there (a node
-/// newer than the cache) before leaving it uncounted (its node is gone or no longer lists
-/// it).
+/// A node's inventory and reservations, as far as they are readable.
+fn records(metas: &NodeMetas, node: &str) -> (Option<NodeInventory>, Option<Reservations>) {
+    let ann = metas.get(node).map(|m| &m.annotations);
+    let read = |key: &str| ann.and_then(|a| a.get(key));
+    (
+        read(INVENTORY_ANNOTATION).and_then(|s| serde_json::from_str(s).ok()),
+        read(RESERVATIONS_ANNOTATION).and_then(|s| serde_json::from_str(s).ok()),
+    )
+}
+
+/// The namespace's pods as the quota sees them: a bound, unfinished pod asking for vcuda
+/// resources holds what its node's records say ([`bound_charges`]), never what its own
+/// annotations say. Node records come from the node list cached by the server; `strict`
+/// (bind) re-lists the nodes when a pod is not found in them (a bind newer than the cache)
+/// before charging it its whole request.
 pub async fn namespace_pods(
     state: &AppState,
     namespace: &str,
@@ -363,49 +392,31 @@ pub async fn namespace_pods(
             namespace: namespace.to_string(),
             source: Box::new(source),
         })?;
-    // (uid, node, init container names, assignment) of the bound, assigned, unfinished pods
     let mut out = Vec::new();
-    let mut assigned = Vec::new();
+    // (index in out, node, name, uid, demand) of the bound, unfinished vcuda pods
+    let mut bound = Vec::new();
     for p in list.items {
         let uid = p.metadata.uid.clone().unwrap_or_default();
         let phase = p.status.as_ref().and_then(|s| s.phase.clone());
         let finished = matches!(phase.as_deref(), Some("Succeeded" | "Failed"));
         let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
-        let qstate = match (&node, finished) {
+        let qstate = match (node, finished) {
             (_, true) => PodQuotaState::Done,
             (None, false) => PodQuotaState::Pending,
             (Some(node), false) => {
-                let a = p
-                    .metadata
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get(ASSIGNMENT_ANNOTATION));
-                match a.map(|s| serde_json::from_str::<Assignment>(s)) {
-                    None => PodQuotaState::Done,
-                    Some(Err(e)) => {
-                        let name = p.metadata.name.clone().unwrap_or_default();
-                        tracing::warn!(pod = %format!("{namespace}/{name}"), error = %e, "malformed {ASSIGNMENT_ANNOTATION}: the pod is not counted against its namespace's GPU quota");
-                        PodQuotaState::Done
-                    }
-                    Some(Ok(a)) => {
-                        let inits: BTreeSet<String> = p
-                            .spec
-                            .as_ref()
-                            .and_then(|s| s.init_containers.as_ref())
-                            .map(|c| c.iter().map(|c| c.name.clone()).collect())
-                            .unwrap_or_default();
-                        assigned.push((out.len(), node.clone(), inits, a));
-                        PodQuotaState::Done // filled in below
-                    }
+                let d = demand(&p, &state.domain);
+                if !d.is_empty() {
+                    let name = p.metadata.name.clone().unwrap_or_default();
+                    bound.push((out.len(), node, name, uid.clone(), d));
                 }
+                PodQuotaState::Done // filled in below
             }
         };
         out.push(PodUse { uid, state: qstate });
     }
-    if assigned.is_empty() {
+    if bound.is_empty() {
         return Ok(out);
     }
-    let wanted: BTreeSet<&str> = assigned.iter().map(|(_, n, _, _)| n.as_str()).collect();
     let list_nodes = |fresh| async move {
         state
             .node_metas(fresh)
@@ -415,22 +426,28 @@ pub async fn namespace_pods(
                 source: Box::new(source),
             })
     };
-    let mut by_uuid = models(&list_nodes(false).await?, &wanted);
-    let known = |by_uuid: &HashMap<String, String>| {
-        assigned.iter().all(|(_, _, _, a)| {
-            a.containers
-                .values()
-                .flatten()
-                .all(|s| by_uuid.contains_key(&s.uuid))
-        })
+    let charge = |metas: &NodeMetas| -> Vec<(BTreeMap<String, Amount>, Record)> {
+        bound
+            .iter()
+            .map(|(_, node, name, uid, d)| {
+                let (inv, res) = records(metas, node);
+                bound_charges((namespace, name, uid), d, inv.as_ref(), res.as_ref())
+            })
+            .collect()
     };
-    if strict && !known(&by_uuid) {
-        by_uuid = models(&list_nodes(true).await?, &wanted);
+    let mut charged = charge(&list_nodes(false).await?);
+    if strict && charged.iter().any(|(_, r)| *r == Record::FullRequest) {
+        charged = charge(&list_nodes(true).await?);
     }
-    for (i, node, inits, a) in &assigned {
-        let (charges, unknown) = pod_charges(a, inits, |u| by_uuid.get(u).cloned());
-        if !unknown.is_empty() {
-            tracing::warn!(namespace, node = %node, gpus = ?unknown, "GPUs of an assigned pod are not in its node's inventory (node gone?): not counted against the namespace's quota");
+    for ((i, node, name, _, _), (charges, record)) in bound.iter().zip(charged) {
+        match record {
+            Record::FullRequest => {
+                tracing::debug!(pod = %format!("{namespace}/{name}"), node = %node, "neither the node's inventory nor its reservations name this bound pod: its whole request counts against the namespace's quota")
+            }
+            Record::NoInventory => {
+                tracing::debug!(pod = %format!("{namespace}/{name}"), node = %node, "the pod's node publishes no vcuda inventory: it holds no vcuda resources there")
+            }
+            _ => {}
         }
         out[*i].state = PodQuotaState::Holding(charges);
     }

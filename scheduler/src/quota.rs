@@ -23,21 +23,20 @@
 //! mixed models the quota check applies to the GPUs [`crate::placement::filter`] chose.
 //!
 //! **Usage** (what a namespace holds) is computed here from inputs the server collects:
-//! every pod of the namespace that is bound, not finished and carries a
-//! [`vcuda_cluster::ASSIGNMENT_ANNOTATION`] holds what its assignment says ([`pod_charges`],
-//! per GPU the larger of the app containers' sum and any one init container, as
-//! [`Choice::per_gpu`] reserves), plus the pending [`Claim`]s of binds in flight
-//! ([`CLAIMS_ANNOTATION`] on the ConfigMap, see `crate::admission`). [`prune_claims`] drops
-//! claims that are counted already, can never bind, or are older than the TTL;
+//! every pod of the namespace that is bound and not finished holds what the records only
+//! the system writes say ([`bound_charges`]: the manager's [`vcuda_cluster::PodHolding`]
+//! in its node's inventory, else the scheduler's reservation on the node, else the pod's
+//! whole request), plus the pending [`Claim`]s of binds in flight ([`CLAIMS_ANNOTATION`]
+//! on the ConfigMap, see `crate::admission`). A pod's own annotations
+//! (`vcuda.io/assignment`) are never counted: its owner can rewrite them. [`prune_claims`]
+//! drops claims that are counted already, can never bind, or are older than the TTL;
 //! [`namespace_usage`] sums the rest; [`Quotas::check_quota`] decides.
 
 use std::collections::BTreeMap;
 
-use std::collections::BTreeSet;
-
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
-use vcuda_cluster::{Assignment, GpuShare, SCHEMA};
+use vcuda_cluster::{GpuShare, NodeInventory, Reservations, CORES_PER_GPU, MEMORY_UNIT, SCHEMA};
 
 use crate::placement::{Choice, NodeView};
 use crate::request::parse_integer_quantity;
@@ -68,7 +67,7 @@ impl Amount {
 }
 
 /// A bind in flight: the quota a pod takes between the scheduler's check and the Binding
-/// (after the Binding the pod's assignment counts instead).
+/// (after the Binding the node's records of the pod count instead).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Claim {
@@ -119,9 +118,10 @@ pub fn parse_claims(value: Option<&str>) -> Result<Claims, String> {
 pub enum PodQuotaState {
     /// Not bound and not finished: a claim for it may still turn into a Binding.
     Pending,
-    /// Bound, not finished, with an assignment: it holds this per GPU model.
+    /// Bound, not finished, asking for vcuda resources: it holds this per GPU model
+    /// ([`bound_charges`]).
     Holding(BTreeMap<String, Amount>),
-    /// Finished, or bound without a vcuda assignment: holds nothing and never will.
+    /// Finished, or bound without asking for vcuda resources: holds nothing and never will.
     Done,
 }
 
@@ -134,47 +134,119 @@ pub struct PodUse {
     pub state: PodQuotaState,
 }
 
-/// What an assigned pod holds per GPU model: per GPU, the larger of the app containers' sum
-/// and any single init container (core and memory separately, as
-/// [`Choice::per_gpu`] reserves), then summed per model. `init_containers` names the pod's
-/// init containers; `model_of` maps a GPU UUID to its model. GPUs whose model is unknown are
-/// returned apart (the caller decides; see the server).
-pub fn pod_charges(
-    assignment: &Assignment,
-    init_containers: &BTreeSet<String>,
-    model_of: impl Fn(&str) -> Option<String>,
-) -> (BTreeMap<String, Amount>, Vec<String>) {
-    let mut app: BTreeMap<&str, Amount> = BTreeMap::new();
-    let mut init: BTreeMap<&str, Amount> = BTreeMap::new();
-    for (container, shares) in &assignment.containers {
+/// What a bound pod asks for, read from its spec (which its owner cannot change after
+/// creation): per container `(vcuda-core units, vcuda-memory units)`, totals over all its GPUs.
+/// Deliberately not [`crate::request::pod_request`]: that also reads `vcuda.io/gpu-count`,
+/// an annotation the owner can edit.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Demand {
+    /// App containers (they run together).
+    pub app: Vec<(u64, u64)>,
+    /// Init containers (each alone).
+    pub init: Vec<(u64, u64)>,
+}
+
+impl Demand {
+    /// No vcuda resource asked for.
+    pub fn is_empty(&self) -> bool {
+        self.app
+            .iter()
+            .chain(&self.init)
+            .all(|&(c, m)| c == 0 && m == 0)
+    }
+}
+
+/// Where a bound pod's charges were read from (for the log and the tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Record {
+    /// It asks for no vcuda resource.
+    Nothing,
+    /// The manager's record of what it set up ([`vcuda_cluster::PodHolding`] in the node's
+    /// inventory).
+    Allocated,
+    /// The scheduler's reservation on the node (bound, not set up yet).
+    Reserved,
+    /// Neither names it (a pod bound without vcuda-scheduler, or a node list older than its
+    /// bind): its whole request on every GPU model of its node.
+    FullRequest,
+    /// Its node publishes no readable inventory: no vcuda-manager serves it, so the pod
+    /// cannot get vcuda resources there.
+    NoInventory,
+}
+
+/// What a pod bound to a node and not finished holds per GPU model, from records only the
+/// system writes: the node's inventory ([`vcuda_cluster::PodHolding`], written by
+/// vcuda-manager), else the node's reservations (written by vcuda-scheduler before the
+/// Binding), else the pod's whole request ([`Record::FullRequest`]). The pod's own
+/// annotations are never read: its owner can edit them.
+pub fn bound_charges(
+    (namespace, name, uid): (&str, &str, &str),
+    demand: &Demand,
+    inventory: Option<&NodeInventory>,
+    reservations: Option<&Reservations>,
+) -> (BTreeMap<String, Amount>, Record) {
+    let mut out: BTreeMap<String, Amount> = BTreeMap::new();
+    if demand.is_empty() {
+        return (out, Record::Nothing);
+    }
+    let Some(inv) = inventory else {
+        return (out, Record::NoInventory);
+    };
+    let model_of = |uuid: &str| inv.gpus.iter().find(|g| g.uuid == uuid).map(|g| &g.model);
+    let charge = |out: &mut BTreeMap<String, Amount>, shares: &[GpuShare]| {
         for s in shares {
-            let a = Amount {
-                core: u64::from(s.core_percent),
-                memory_bytes: s.memory_bytes,
-            };
-            if init_containers.contains(container) {
-                let e = init.entry(&s.uuid).or_default();
-                e.core = e.core.max(a.core);
-                e.memory_bytes = e.memory_bytes.max(a.memory_bytes);
-            } else {
-                app.entry(&s.uuid).or_default().add(a);
+            // A GPU its own node does not list cannot be in use: left out.
+            if let Some(m) = model_of(&s.uuid) {
+                out.entry(m.clone()).or_default().add(Amount {
+                    core: u64::from(s.core_percent),
+                    memory_bytes: s.memory_bytes,
+                });
             }
         }
+    };
+    let held = inv.pods.iter().find(|h| match &h.uid {
+        Some(u) => u == uid,
+        None => h.namespace == namespace && h.name == name,
+    });
+    if let Some(h) = held {
+        charge(&mut out, &h.gpus);
+        return (out, Record::Allocated);
     }
-    for (uuid, i) in init {
-        let e = app.entry(uuid).or_default();
-        e.core = e.core.max(i.core);
-        e.memory_bytes = e.memory_bytes.max(i.memory_bytes);
+    if let Some(r) = reservations.and_then(|r| r.pods.iter().find(|r| r.uid == uid)) {
+        charge(&mut out, &r.gpus);
+        return (out, Record::Reserved);
     }
-    let mut out: BTreeMap<String, Amount> = BTreeMap::new();
-    let mut unknown = Vec::new();
-    for (uuid, a) in app {
-        match model_of(uuid) {
-            Some(model) => out.entry(model).or_default().add(a),
-            None => unknown.push(uuid.to_string()),
+    // The whole request on every model of the node (mixed models: on each, conservatively).
+    let mut models: BTreeMap<&str, u64> = BTreeMap::new();
+    for g in &inv.gpus {
+        let m = models.entry(g.model.as_str()).or_default();
+        *m = (*m).max(g.memory_bytes);
+    }
+    for (model, gpu_memory) in models {
+        let amount = |&(core, memory): &(u64, u64)| {
+            let bytes = memory.saturating_mul(MEMORY_UNIT);
+            let whole = (core / u64::from(CORES_PER_GPU)).saturating_mul(gpu_memory);
+            (core, bytes.max(whole))
+        };
+        let (mut c, mut m) = demand
+            .app
+            .iter()
+            .map(amount)
+            .fold((0u64, 0u64), |(c, m), (a, b)| {
+                (c.saturating_add(a), m.saturating_add(b))
+            });
+        for (ic, im) in demand.init.iter().map(amount) {
+            (c, m) = (c.max(ic), m.max(im));
         }
+        out.insert(
+            model.to_string(),
+            Amount {
+                core: c,
+                memory_bytes: m,
+            },
+        );
     }
-    (out, unknown)
+    (out, Record::FullRequest)
 }
 
 /// The claims worth keeping: a claim of `namespace` is dropped when its pod is counted from
@@ -595,6 +667,7 @@ pub fn charges(view: &NodeView, choice: &Choice) -> Vec<(String, Amount)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const GIB: u64 = 1 << 30;
 
@@ -786,6 +859,7 @@ mod tests {
         let inv = NodeInventory {
             schema: SCHEMA,
             gpus: vec![gpu(0, "A100"), gpu(1, "A100")],
+            pods: vec![],
         };
         let v = NodeView::new(&inv, &[]);
         let req = PodRequest {
@@ -859,36 +933,134 @@ mod tests {
         }
     }
 
-    #[test]
-    fn an_assignment_charges_per_model_with_init_containers_as_the_maximum() {
-        let a = Assignment {
+    fn inventory(gpus: &[(&str, &str)], pods: Vec<vcuda_cluster::PodHolding>) -> NodeInventory {
+        use vcuda_cluster::{Allocated, GpuInventory};
+        NodeInventory {
             schema: SCHEMA,
-            containers: BTreeMap::from([
-                (
-                    "a".to_string(),
-                    vec![share("G0", 30, 4), share("G1", 30, 4)],
-                ),
-                ("b".to_string(), vec![share("G0", 20, 2)]),
-                // runs alone before a and b: per GPU the larger counts
-                (
-                    "init".to_string(),
-                    vec![share("G0", 70, 1), share("T0", 100, 16)],
-                ),
-                ("ghost".to_string(), vec![share("G9", 10, 1)]),
-            ]),
-            bound_unix_ms: None,
+            gpus: gpus
+                .iter()
+                .enumerate()
+                .map(|(i, &(uuid, model))| GpuInventory {
+                    index: i as u32,
+                    uuid: uuid.into(),
+                    model: model.into(),
+                    compute_capability: "8.0".into(),
+                    memory_bytes: if model == "T4" { 16 * GIB } else { 40 * GIB },
+                    numa_node: None,
+                    links: vec![],
+                    healthy: true,
+                    allocated: Allocated::default(),
+                })
+                .collect(),
+            pods,
+        }
+    }
+
+    #[test]
+    fn a_bound_pod_is_charged_from_what_the_system_wrote_never_from_its_annotations() {
+        use vcuda_cluster::{PodHolding, Reservation};
+        let me = ("ns", "p", "uid-p");
+        let demand = Demand {
+            app: vec![(30, 16), (20, 8)],
+            init: vec![(70, 4)],
         };
-        let inits = BTreeSet::from(["init".to_string()]);
-        let model = |u: &str| match u {
-            "G0" | "G1" => Some("A100".to_string()),
-            "T0" => Some("T4".to_string()),
-            _ => None,
+        let held = PodHolding {
+            namespace: "ns".into(),
+            name: "p".into(),
+            uid: Some("uid-p".into()),
+            gpus: vec![share("G0", 50, 4), share("T0", 100, 16)],
         };
-        let (by_model, unknown) = pod_charges(&a, &inits, model);
-        // G0: max(30+20, 70) = 70 core, max(4+2, 1) = 6 GiB; G1: 30, 4
-        assert_eq!(by_model["A100"], amt(100, 10));
-        assert_eq!(by_model["T4"], amt(100, 16));
-        assert_eq!(unknown, vec!["G9".to_string()]);
+        let gpus = [("G0", "A100"), ("G1", "A100"), ("T0", "T4")];
+        let reserved = Reservations {
+            schema: SCHEMA,
+            pods: vec![Reservation {
+                namespace: "ns".into(),
+                name: "p".into(),
+                uid: "uid-p".into(),
+                gpus: vec![share("G1", 50, 6)],
+                created_unix_ms: 0,
+            }],
+        };
+        // Set up: the manager's record wins over a reservation still there.
+        let inv = inventory(&gpus, vec![held.clone()]);
+        let (by_model, from) = bound_charges(me, &demand, Some(&inv), Some(&reserved));
+        assert_eq!(from, Record::Allocated);
+        assert_eq!(
+            by_model,
+            BTreeMap::from([("A100".into(), amt(50, 4)), ("T4".into(), amt(100, 16))])
+        );
+        // A holding without a uid is matched by name; another pod's is not ours.
+        let anon = PodHolding {
+            uid: None,
+            ..held.clone()
+        };
+        let inv = inventory(&gpus, vec![anon]);
+        assert_eq!(
+            bound_charges(me, &demand, Some(&inv), None).1,
+            Record::Allocated
+        );
+        let other = PodHolding {
+            uid: Some("uid-q".into()),
+            ..held
+        };
+        let inv = inventory(&gpus, vec![other]);
+        // Bound, not set up: the reservation.
+        let (by_model, from) = bound_charges(me, &demand, Some(&inv), Some(&reserved));
+        assert_eq!(
+            (from, by_model),
+            (
+                Record::Reserved,
+                BTreeMap::from([("A100".into(), amt(50, 6))])
+            )
+        );
+        // Neither: the whole request, on each model of the node: core max(30+20, 70),
+        // memory max((16+8)·256 MiB, 4·256 MiB) = 6 GiB.
+        let (by_model, from) = bound_charges(me, &demand, Some(&inv), None);
+        assert_eq!(from, Record::FullRequest);
+        assert_eq!(
+            by_model,
+            BTreeMap::from([("A100".into(), amt(70, 6)), ("T4".into(), amt(70, 6))])
+        );
+        // Whole GPUs: their memory, however little vcuda-memory is asked.
+        let whole = Demand {
+            app: vec![(200, 0)],
+            init: vec![],
+        };
+        assert_eq!(
+            bound_charges(me, &whole, Some(&inv), None).0["A100"],
+            amt(200, 80)
+        );
+        // No vcuda resources, or no manager on the node.
+        assert_eq!(
+            bound_charges(me, &Demand::default(), Some(&inv), None).1,
+            Record::Nothing
+        );
+        assert_eq!(
+            bound_charges(me, &demand, None, Some(&reserved)).1,
+            Record::NoInventory
+        );
+    }
+
+    proptest! {
+        /// Whatever the node's records say of the pod, no record can make it count for less
+        /// than nothing, and the full request is never below what any one container asks.
+        #[test]
+        fn the_full_request_covers_every_container(
+            app in prop::collection::vec((0u64..400, 0u64..200), 0..4),
+            init in prop::collection::vec((0u64..400, 0u64..200), 0..3),
+        ) {
+            let d = Demand { app: app.clone(), init: init.clone() };
+            let inv = inventory(&[("G0", "A100")], vec![]);
+            let (by_model, from) = bound_charges(("ns", "p", "u"), &d, Some(&inv), None);
+            if d.is_empty() {
+                prop_assert_eq!(from, Record::Nothing);
+            } else {
+                let a = by_model["A100"];
+                for &(c, m) in app.iter().chain(&init) {
+                    prop_assert!(a.core >= c && a.memory_bytes >= m * MEMORY_UNIT);
+                }
+            }
+        }
     }
 
     fn claim(ns: &str, uid: &str, core: u64, at: u64) -> Claim {

@@ -45,6 +45,7 @@ fn with_links(mut gpus: Vec<GpuInventory>) -> NodeInventory {
     NodeInventory {
         schema: SCHEMA,
         gpus,
+        pods: vec![],
     }
 }
 
