@@ -1,6 +1,9 @@
 //! The bind verb (I/O): reserve the pod's GPUs on the Node, then create the Binding.
 //!
-//! 1. Read the Pod (its UID must be the one kube-scheduler placed) and the Node.
+//! 1. Read the Pod (its UID must be the one kube-scheduler placed) and the Node, and refuse
+//!    a pair kube-scheduler itself would never produce ([`eligibility::check`]: another
+//!    scheduler's pod, a cordoned or untolerated tainted node, an unmatched nodeSelector or
+//!    required node affinity): the extender's binding right must not be a way around them.
 //! 2. Re-run [`placement::filter`] against the Node's inventory + current reservations.
 //! 3. Merge-patch the Node's [`RESERVATIONS_ANNOTATION`] with the reservation appended, the
 //!    patch carrying the Node's `metadata.resourceVersion`. A 409 Conflict means someone else
@@ -31,6 +34,7 @@ use vcuda_cluster::{
 };
 
 use crate::admission::{self, now_ms, AdmissionError, HeldClaim, CLAIM_DEADLINE};
+use crate::eligibility::{self, Ineligible};
 use crate::extender::{ExtenderBindingArgs, Pod};
 use crate::placement::{self, Expiry, NodeView};
 use crate::quota::{self, Amount};
@@ -97,6 +101,9 @@ pub enum BindError {
         age_ms: u64,
         deadline_s: u64,
     },
+    /// kube-scheduler would never have chosen this node for this pod.
+    #[error("{0}")]
+    Ineligible(#[from] Ineligible),
     #[error("{0}")]
     Internal(String),
 }
@@ -198,6 +205,8 @@ async fn bind_holding(
             what: format!("node {}", args.node),
             source: e,
         })?;
+        // Checked on every read of the Node: a taint added meanwhile also refuses.
+        eligibility::check(&kpod, &knode, &state.scheduler_names)?;
         let rv = knode.metadata.resource_version.clone().unwrap_or_default();
         let ann = knode.metadata.annotations.clone().unwrap_or_default();
         let mut res = reservations(&args.node, &ann).map_err(|reason| BindError::NoFit {

@@ -9,6 +9,10 @@
 //! - [`quota`] — namespace pools (node labels) and per-model quotas from a ConfigMap, usage
 //!   sums and claim pruning.
 //! - [`settings`] — command-line values (durations, `NAMESPACE/NAME`).
+//! - [`eligibility`] — whether kube-scheduler itself could have chosen a node for a pod
+//!   (scheduler name, cordon, taints, nodeSelector, required node affinity): bind refuses
+//!   any other pair, so the extender's binding right cannot place a pod where the
+//!   scheduler would not.
 //!
 //! The schemas shared with vcuda-manager live in `vcuda-cluster`.
 //!
@@ -21,6 +25,7 @@
 
 pub mod admission;
 pub mod bind;
+pub mod eligibility;
 pub mod extender;
 pub mod placement;
 pub mod quota;

@@ -64,6 +64,8 @@ pub struct AppState {
     pub quota: Option<Arc<QuotaSource>>,
     /// `--reservation-ttl`: reservations older than this are ignored and dropped.
     pub reservation_ttl: Duration,
+    /// `--scheduler-name`: the `spec.schedulerName`s whose pods bind may place.
+    pub scheduler_names: Vec<String>,
     /// Node name → labels and annotations, and when they were listed.
     cache: Arc<Mutex<Option<(Instant, NodeMetas)>>>,
 }
@@ -75,6 +77,7 @@ impl std::fmt::Debug for AppState {
             .field("domain", &self.domain)
             .field("quota", &self.quota.as_ref().map(|q| q.cm.to_string()))
             .field("reservation_ttl", &self.reservation_ttl)
+            .field("scheduler_names", &self.scheduler_names)
             .finish_non_exhaustive()
     }
 }
@@ -88,8 +91,15 @@ impl AppState {
             client,
             quota: None,
             reservation_ttl: DEFAULT_RESERVATION_TTL,
+            scheduler_names: vec![crate::eligibility::DEFAULT_SCHEDULER_NAME.to_string()],
             cache: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Bind only pods of these schedulers (`spec.schedulerName`).
+    pub fn with_scheduler_names(mut self, names: Vec<String>) -> AppState {
+        self.scheduler_names = names;
+        self
     }
 
     /// Enforce the pools and quotas of this ConfigMap.
