@@ -22,11 +22,14 @@
 //! - [`bind`] — the bind verb: reservation on the Node (optimistic concurrency), Binding.
 //! - [`admission`] — the quota ConfigMap, namespace usage and quota claims (optimistic
 //!   concurrency on the ConfigMap).
+//! - [`listen`] — the HTTPS listener: kube-scheduler's client certificate required,
+//!   handshake/header/body deadlines, a connection cap.
 
 pub mod admission;
 pub mod bind;
 pub mod eligibility;
 pub mod extender;
+pub mod listen;
 pub mod placement;
 pub mod quota;
 pub mod request;

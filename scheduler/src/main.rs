@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{ArgAction, Parser, ValueEnum};
+use vcuda_scheduler::listen;
 use vcuda_scheduler::placement::{Packing, Policy};
 use vcuda_scheduler::server::{router, AppState};
 use vcuda_scheduler::settings::{parse_duration, ConfigMapRef};
@@ -24,6 +25,9 @@ enum Strategy {
 /// extender v1 JSON. Bind reserves the pod's GPUs on the Node (vcuda.io/reservations, written
 /// with the Node's resourceVersion), then creates the Binding with the vcuda.io/assignment
 /// annotation. With --quota-configmap, namespaces get node pools and per-model GPU quotas.
+///
+/// It serves HTTPS and admits only clients with a certificate signed by --client-ca
+/// (kube-scheduler's): the bind verb uses a cluster-wide binding right.
 #[derive(Debug, Parser)]
 #[command(name = "vcuda-scheduler", version)]
 struct Args {
@@ -64,6 +68,42 @@ struct Args {
     /// seconds).
     #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_ttl)]
     reservation_ttl: Duration,
+    /// Bind only pods whose spec.schedulerName is this (repeat for several kube-scheduler
+    /// profiles). Bind also refuses nodes the pod could not go to under kube-scheduler's own
+    /// rules (cordon, untolerated taints, nodeSelector, required node affinity).
+    #[arg(
+        long = "scheduler-name",
+        value_name = "NAME",
+        default_value = "default-scheduler"
+    )]
+    scheduler_names: Vec<String>,
+    /// PEM certificate chain the extender serves HTTPS with (deploy/certs/make-certs.sh
+    /// writes tls.crt). Required, with --tls-key and --client-ca, unless
+    /// --insecure-plain-http.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "client_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_cert", "client_ca"])]
+    tls_key: Option<PathBuf>,
+    /// PEM CA bundle: only clients presenting a certificate it signed (kube-scheduler's, the
+    /// extender config's tlsConfig certFile/keyFile) may call the extender; others are
+    /// refused during the TLS handshake.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_cert", "tls_key"])]
+    client_ca: Option<PathBuf>,
+    /// Serve plain HTTP without client authentication. For development only: anyone who can
+    /// reach the port can then bind pods with the extender's cluster-wide binding right.
+    #[arg(long, conflicts_with_all = ["tls_cert", "tls_key", "client_ca"])]
+    insecure_plain_http: bool,
+    /// A client must finish its TLS handshake, and send each request's headers, within this
+    /// long (also the most a connection may sit idle between requests).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_ttl)]
+    header_timeout: Duration,
+    /// A client must send each request's body within this long of its headers.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_ttl)]
+    body_timeout: Duration,
+    /// Connections served at once; more wait until one ends.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
 }
 
 fn parse_ttl(s: &str) -> Result<Duration, String> {
@@ -105,9 +145,20 @@ async fn main() -> anyhow::Result<()> {
         prefer_old_for_fractional: args.prefer_old_for_fractional,
         ..Policy::default()
     };
+    let tls = match (&args.tls_cert, &args.tls_key, &args.client_ca) {
+        (Some(cert), Some(key), Some(ca)) => Some(listen::server_config(cert, key, ca)?),
+        _ if args.insecure_plain_http => {
+            tracing::warn!("--insecure-plain-http: anyone who can reach the port can bind pods with the extender's binding right; use --tls-cert, --tls-key and --client-ca in production");
+            None
+        }
+        _ => anyhow::bail!(
+            "vcuda-scheduler serves HTTPS and admits only kube-scheduler's client certificate: pass --tls-cert, --tls-key and --client-ca (deploy/certs/make-certs.sh makes them), or --insecure-plain-http for development"
+        ),
+    };
     let client = client(args.kubeconfig.as_ref()).await?;
     let mut state = AppState::new(policy, args.domain.clone(), client)
-        .with_reservation_ttl(args.reservation_ttl);
+        .with_reservation_ttl(args.reservation_ttl)
+        .with_scheduler_names(args.scheduler_names.clone());
     if let Some(cm) = &args.quota_configmap {
         state = state.with_quota_configmap(cm.clone());
         if let Some(src) = &state.quota {
@@ -120,14 +171,20 @@ async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}; choose another --listen", args.listen))?;
     let addr = listener.local_addr()?;
-    tracing::info!(%addr, policy = ?args.policy, domain = %args.domain,
+    tracing::info!(%addr, https = tls.is_some(), policy = ?args.policy, domain = %args.domain,
+        scheduler_names = ?args.scheduler_names,
         quota_configmap = %args.quota_configmap.as_ref().map_or("-".to_string(), |c| c.to_string()),
         reservation_ttl = ?args.reservation_ttl, "vcuda-scheduler listening");
     println!(
         "{}",
-        serde_json::json!({"ready": true, "listen": addr.to_string()})
+        serde_json::json!({"ready": true, "listen": addr.to_string(), "https": tls.is_some()})
     );
-    axum::serve(listener, app)
+    let limits = listen::Limits {
+        header_timeout: args.header_timeout,
+        body_timeout: args.body_timeout,
+        max_connections: args.max_connections as usize,
+    };
+    listen::serve(listener, app, tls, limits)
         .await
         .context("the HTTP server failed")?;
     Ok(())

@@ -19,6 +19,9 @@ import urllib.request
 
 import pytest
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import extender_tls  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIM = ROOT / "tests" / "apiserver-sim" / "apiserver_sim.py"
 BIN = pathlib.Path(os.environ.get("VCUDA_SCHEDULER_BIN", ROOT / "target" / "release" / "vcuda-scheduler"))
@@ -36,7 +39,7 @@ def call(url, method="GET", body=None, ctype="application/json", raw=None):
     if data is not None:
         req.add_header("Content-Type", ctype)
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with extender_tls.urlopen(req, timeout=30) as r:
             text = r.read()
             return r.status, json.loads(text) if text else None
     except urllib.error.HTTPError as e:
@@ -63,7 +66,7 @@ class Cluster:
     def api(self, method, path, body=None, ctype="application/json"):
         return call(self.url + path, method, body, ctype)
 
-    def node(self, name, gpus=None, labels=None, model="NVIDIA A100-SXM4-40GB"):
+    def node(self, name, gpus=None, labels=None, model="NVIDIA A100-SXM4-40GB", taints=None):
         """gpus: [(core % allocated, GiB allocated)] on 40 GiB GPUs; None = no inventory."""
         ann = {}
         if gpus is not None:
@@ -71,6 +74,7 @@ class Cluster:
         code, obj = self.api("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
                                                        "metadata": {"name": name, "annotations": ann,
                                                                     "labels": labels or {}},
+                                                       "spec": {"taints": taints or []},
                                                        "status": {"capacity": {CORE: "200", MEM: "320"}}})
         assert code == 201, obj
         return obj
@@ -81,12 +85,14 @@ class Cluster:
                              "application/merge-patch+json")
         assert code == 200, obj
 
-    def pod(self, name, core, mem_units, ns="default"):
+    def pod(self, name, core, mem_units, ns="default", **spec):
+        """A one-container pod; `spec` adds fields to its spec (tolerations, nodeName, ...)."""
         code, obj = self.api("POST", f"/api/v1/namespaces/{ns}/pods", {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
             "spec": {"containers": [{"name": "main", "image": "cuda",
                                      "resources": {"limits": {CORE: str(core), MEM: str(mem_units)},
-                                                   "requests": {CORE: str(core), MEM: str(mem_units)}}}]}})
+                                                   "requests": {CORE: str(core), MEM: str(mem_units)}}}],
+                     **spec}})
         assert code == 201, obj
         return obj
 
@@ -126,7 +132,8 @@ class Cluster:
     def scheduler(self, *extra):
         assert BIN.exists(), f"{BIN} is missing: run `cargo build --release -p vcuda-scheduler` (or scripts/build-gpusim)"
         log = open(self.tmp / f"scheduler{len(self.schedulers)}.log", "w")
-        proc = subprocess.Popen([str(BIN), "--listen", "127.0.0.1:0", "--kubeconfig", str(self.kubeconfig), *extra],
+        proc = subprocess.Popen([str(BIN), "--listen", "127.0.0.1:0", "--kubeconfig", str(self.kubeconfig),
+                                 *extender_tls.flags(), *extra],
                                 stdout=subprocess.PIPE, stderr=log, text=True)
         line = proc.stdout.readline()
         try:
@@ -135,7 +142,10 @@ class Cluster:
             proc.kill()
             raise AssertionError(f"vcuda-scheduler did not start: {line!r}; see {log.name}")
         self.schedulers.append((proc, log))
-        return f"http://{ready['listen']}"
+        if not extender_tls.flags():
+            return f"http://{ready['listen']}"
+        assert ready["https"] is True, ready
+        return f"https://{ready['listen']}"
 
     def close(self):
         for proc, log in self.schedulers:
@@ -483,9 +493,9 @@ def test_a_request_beyond_the_quota_is_refused_with_a_reason(cluster):
     err = bind(cluster, s, "second", "n2", ns="ml")["Error"]
     assert "would be 110 of quota 100" in err, err
     assert not cluster.get("/api/v1/namespaces/ml/pods/second")["spec"].get("nodeName")
-    # two whole GPUs exceed the quota whatever runs: no node can ever help
-    out = verb(s, "filter", extender_args(cluster, "huge", ["n1"], True, ns="ml"))
-    assert "would be 260 of quota 100" in out["FailedAndUnresolvableNodes"]["n1"], out
+    # two whole GPUs exceed the quota whatever runs: no node can ever help (n2 has both free)
+    out = verb(s, "filter", extender_args(cluster, "huge", ["n2"], True, ns="ml"))
+    assert "would be 260 of quota 100" in out["FailedAndUnresolvableNodes"]["n2"], out
     # other namespaces are not limited
     assert verb(s, "filter", extender_args(cluster, "other", ["n1"], True))["NodeNames"] == ["n1"]
     # once the first pod has finished, its share is free again
