@@ -1,6 +1,7 @@
 """The deployment manifests keep to least privilege (issue 5: never cluster-admin)."""
 
 import pathlib
+import re
 
 import yaml
 
@@ -42,8 +43,38 @@ def test_daemonset_has_only_what_it_needs():
         assert not sc.get("privileged"), c["name"]
         assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
         assert sc["readOnlyRootFilesystem"] is True, c["name"]
+    (manager,) = pod["containers"]
+    # The watchdog's kill and nothing else: it opens no file someone else owns (no
+    # DAC_OVERRIDE, FOWNER, CHOWN).
+    assert manager["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
+    assert manager["securityContext"]["allowPrivilegeEscalation"] is False
+    (init,) = pod["initContainers"]
+    assert "add" not in init["securityContext"]["capabilities"]
     mounts = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     # Directories, never the sockets themselves (a mounted socket goes stale on a kubelet restart).
     assert mounts["device-plugins"] == "/var/lib/kubelet/device-plugins"
     assert mounts["pod-resources"] == "/var/lib/kubelet/pod-resources"
     assert not any(p.endswith(".sock") for p in mounts.values())
+    ro = {m["name"]: m.get("readOnly", False) for m in manager["volumeMounts"]}
+    # it only connects to the kubelet's pod-resources socket; it creates its own socket
+    # in device-plugins
+    assert ro["pod-resources"] is True and ro["device-plugins"] is False
+    assert ro["config"] is True and ro["library"] is True
+
+
+def test_network_policy_admits_prometheus_to_the_metrics_port_only():
+    (ds,) = kinds("DaemonSet")
+    (np,) = kinds("NetworkPolicy")
+    assert np["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    assert np["spec"]["podSelector"]["matchLabels"] == ds["spec"]["selector"]["matchLabels"]
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = np["spec"]["ingress"]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    (port,) = c["ports"]
+    assert (port["name"], port["containerPort"]) == ("metrics", 9395)
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    # the port the manager's settings listen on is the one admitted
+    (cm,) = kinds("ConfigMap")
+    (addr,) = re.findall(r'^metrics_address = "(.+)"$', cm["data"]["manager.toml"], re.M)
+    assert addr.rsplit(":", 1)[1] == str(port["containerPort"])

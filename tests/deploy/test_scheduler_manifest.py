@@ -61,6 +61,48 @@ def test_deployment_runs_unprivileged_replicas():
     assert c["ports"][0]["containerPort"] == 8888
     svc = one("Service")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"][0]["targetPort"] == c["ports"][0]["name"]
+
+
+def flag_values(cmd, flag):
+    return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
+
+
+def test_the_extender_serves_https_to_kube_scheduler_only():
+    pod = one("Deployment")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    cmd = c["command"]
+    assert "--insecure-plain-http" not in cmd
+    for flag in ("--tls-cert", "--tls-key", "--client-ca"):
+        (path,) = flag_values(cmd, flag)
+        mounts = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert len(mounts) == 1 and mounts[0]["readOnly"] is True, flag
+        (vol,) = [v for v in pod["volumes"] if v["name"] == mounts[0]["name"]]
+        assert vol["secret"]["secretName"] == "vcuda-scheduler-tls", flag
+    assert flag_values(cmd, "--scheduler-name") == ["default-scheduler"]
+    # the kubelet has no client certificate: readiness is a TCP connect
+    assert set(c["readinessProbe"]) == {"tcpSocket"}
+
+
+def test_network_policy_admits_kube_scheduler_to_the_extender_only():
+    dep = one("Deployment")
+    np = one("NetworkPolicy")
+    assert np["metadata"]["namespace"] == dep["metadata"]["namespace"]
+    assert np["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = np["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert peer == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                    "podSelector": {"matchLabels": {"component": "kube-scheduler"}}}
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert rule["ports"] == [{"port": c["ports"][0]["name"], "protocol": "TCP"}]
+    # kube-scheduler usually has hostNetwork: the manifest says so and shows the ipBlock to add
+    text = (ROOT / "deploy" / "vcuda-scheduler.yaml").read_text()
+    assert "# - ipBlock:" in text and "hostNetwork" in text
+
+
+# KubeSchedulerConfiguration v1 Extender.tlsConfig (ExtenderTLSConfig): its fields.
+TLS_CONFIG_FIELDS = {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData", "caData"}
 
 
 def test_the_extender_entry_matches_the_service():
@@ -69,7 +111,13 @@ def test_the_extender_entry_matches_the_service():
     assert cfg["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     (ext,) = cfg["extenders"]
     svc = one("Service")
-    assert ext["urlPrefix"] == f"http://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{svc['spec']['ports'][0]['port']}/"
+    assert ext["urlPrefix"] == f"https://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{svc['spec']['ports'][0]['port']}/"
+    # mutual TLS: kube-scheduler checks the extender's certificate and presents its own
+    assert ext["enableHTTPS"] is True
+    tls = ext["tlsConfig"]
+    assert set(tls) <= TLS_CONFIG_FIELDS, set(tls) - TLS_CONFIG_FIELDS
+    assert not tls.get("insecure"), "never skip the server's certificate check"
+    assert all(tls[f].startswith("/") for f in ("certFile", "keyFile", "caFile"))
     assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"]) == ("filter", "prioritize", "bind")
     assert ext["nodeCacheCapable"] is True and ext["ignorable"] is False
     assert {r["name"] for r in ext["managedResources"]} == {"tencent.com/vcuda-core", "tencent.com/vcuda-memory"}

@@ -63,6 +63,8 @@ class Node:
         self.manager_log = root / "manager.log"
         self.ksim = None
         self.manager = None
+        # A command the manager runs under (e.g. setpriv with the DaemonSet's capabilities).
+        self.manager_wrap = []
 
     # ---- processes -------------------------------------------------------------------------
 
@@ -83,7 +85,7 @@ class Node:
         if not any(str(a) in ("--api", "--kubeconfig") for a in extra):
             extra = ("--api", "off", *extra)
         self.manager = subprocess.Popen(
-            [MANAGER, "--device-plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket,
+            [*self.manager_wrap, MANAGER, "--device-plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket,
              "--state-dir", self.state, "--run-dir", self.run_dir, "--library", VCUDA_LIB,
              "--nvml-library", LIB / "libnvidia-ml.so.1", "--proc-root", self.proc_root,
              "--recover-after", str(self.recover_after), "--log", self.log_level,

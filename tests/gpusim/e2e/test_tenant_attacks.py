@@ -365,6 +365,66 @@ def test_a_process_bypassing_the_library_is_caught_for_compute_too(node, bins):
                 p.wait()
 
 
+# Capability numbers (linux/capability.h) of the names a securityContext may list.
+CAPS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "DAC_READ_SEARCH": 2, "FOWNER": 3, "FSETID": 4, "KILL": 5,
+        "SETGID": 6, "SETUID": 7, "NET_BIND_SERVICE": 10, "NET_ADMIN": 12, "SYS_PTRACE": 19, "SYS_ADMIN": 21}
+
+
+def daemonset_capabilities():
+    """What deploy/vcuda-manager.yaml grants the manager container: drop ALL, add these."""
+    import yaml
+
+    docs = yaml.safe_load_all((RELEASE.parents[1] / "deploy" / "vcuda-manager.yaml").read_text())
+    (ds,) = [d for d in docs if d and d.get("kind") == "DaemonSet"]
+    (c,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "manager"]
+    caps = c["securityContext"]["capabilities"]
+    assert caps["drop"] == ["ALL"] and c["securityContext"]["allowPrivilegeEscalation"] is False
+    return caps.get("add", [])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping a root manager's capabilities needs root")
+def test_the_manager_needs_no_capability_beyond_what_the_daemonset_grants(node, bins):
+    """Issue 11, point 12: the DaemonSet used to add DAC_OVERRIDE, FOWNER and CHOWN without a
+    test showing a need. The manager runs here as root with exactly the shipped capabilities
+    (read from the manifest: bounding set, no_new_privs, as the container runtime applies
+    them) and does its whole job: registration with the kubelet, Allocate and
+    PreStartContainer (regions, configs, the control socket), a process registering and held
+    to its quota, and the watchdog killing a process that bypasses the library."""
+    add = daemonset_capabilities()
+    node.stop_manager()
+    keep = ",".join(f"+{c.lower()}" for c in add)
+    node.manager_wrap = ["setpriv", "--no-new-privs", "--inh-caps=-all", f"--bounding-set=-all{',' + keep if keep else ''}", "--"]
+    node.start_manager("--watchdog-kill", "--watchdog-compute-window", "2").wait_registered()
+    status = pathlib.Path(f"/proc/{node.manager.pid}/status").read_text()
+    eff = int(next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), 16)
+    assert eff == sum(1 << CAPS[c] for c in add), f"CapEff {eff:#x}, granted {add}"
+    a = admit_within(node, "a", core=30, memory=4)  # 1 GiB
+    ca = node.container(a, "a")
+    before = registrations(node)
+    held = ca.hold(bins["fill"], 512)
+    try:
+        wait_for("the process to register", lambda: registrations(node) > before)
+        with pytest.raises(AssertionError, match="did not get 700 MiB"):
+            ca.hold(bins["fill"], 700)  # 512 + 700 MiB > 1 GiB
+    finally:
+        held.stdin.close()
+        held.wait(timeout=30)
+    bypass_env = dict(ca.env)
+    bypass_env.pop("LD_PRELOAD")
+    ca.env, saved = bypass_env, ca.env
+    bypass = ca.popen([bins["load"], "--kernel", "spin_1ms", "--seconds", 30])
+    ca.env = saved
+    try:
+        wait_for("the compute watchdog", lambda: "more compute than the limit" in node.log(), timeout=6)
+        bypass.wait(timeout=5)
+        assert bypass.returncode == -9, "the bypassing process was not killed"
+    finally:
+        if bypass.poll() is None:
+            bypass.kill()
+            bypass.wait()
+    admit_within(node, "b", core=20, memory=4)
+
+
 TRUNCATE_LOOP = r"""
 import os, sys, time, tomllib
 cfg = tomllib.load(open(os.environ["VCUDA_CONFIG"], "rb"))
