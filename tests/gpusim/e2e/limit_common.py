@@ -24,9 +24,11 @@ CORE_OVERRIDE = 288
 CORE_LIMIT_OVERRIDE = 352
 
 
-def gpus_config(n):
-    """A gpusim config of `n` A100s (gpusim's defaults otherwise)."""
-    lines = []
+def gpus_config(n, **settings):
+    """A gpusim config of `n` A100s (gpusim's defaults otherwise); `settings` are top-level
+    keys of the config (e.g. sample_period_us=1000000, wave_ns=1000), None meaning default."""
+    lines = [f"{k} = {v}" for k, v in settings.items() if v is not None]
+    lines += [""] if lines else []
     for i in range(n):
         lines += [
             "[[gpu]]",
@@ -57,6 +59,11 @@ def build_load(cc, out):
     return build(cc, out, "vcuda_load")
 
 
+def build_adversary(cc, out):
+    """Compile c/vcuda_adversary.c (the launch patterns of bench_adversary.py) into `out`."""
+    return build(cc, out, "vcuda_adversary", "-pthread")
+
+
 class Load:
     """One running vcuda_load process."""
 
@@ -82,10 +89,13 @@ class Load:
 class Machine:
     """A gpusim machine with `gpus` GPUs and a sampler of its ground truth."""
 
-    def __init__(self, root, gpus, program):
+    def __init__(self, root, gpus, program, sample_period_us=None, wave_ns=None):
+        """`sample_period_us` (NVML's utilization sample period) and `wave_ns` (the cost of a
+        wave of a kernel without a duration in its name) go into the gpusim config; None
+        keeps gpusim's default (166667 µs, 5000 ns)."""
         root.mkdir(parents=True, exist_ok=True)
         self.sim = Sim(root)
-        self.sim.write_config(gpus_config(gpus))
+        self.sim.write_config(gpus_config(gpus, sample_period_us=sample_period_us, wave_ns=wave_ns))
         self.uuids = [g["uuid"] for g in self.sim.status()["gpus"]]
         self.program = program
         self.samples = []  # (wall s, sim ns, {(gpu, pid): busy ns})
@@ -103,6 +113,16 @@ class Machine:
         if not line.startswith("ready pid="):
             p.kill()
             raise AssertionError(f"vcuda_load did not start: {line!r} {p.stderr.read()}")
+        return Load(self, gpu, p, int(line.split("=")[1]), time.monotonic())
+
+    def spawn(self, container, gpu, args):
+        """Start any program that prints "ready pid=<pid>" once its context exists (e.g.
+        c/vcuda_adversary.c) in `container`, with `args` after the program's path."""
+        p = container.popen([self.program, *args])
+        line = p.stdout.readline()
+        if not line.startswith("ready pid="):
+            p.kill()
+            raise AssertionError(f"{self.program} {args} did not start: {line!r} {p.stderr.read()}")
         return Load(self, gpu, p, int(line.split("=")[1]), time.monotonic())
 
     def poll(self):

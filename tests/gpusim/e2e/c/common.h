@@ -34,7 +34,7 @@
     } while (0)
 
 /* A PTX module with kernels of known durations (gpusim's cost model: a name ending in
- * _<N>us / _<N>ms runs that long) and one global. */
+ * _<N>us / _<N>ms runs that long; wave_kernel's length follows its grid) and one global. */
 static const char PTX[] =
     ".version 8.0\n.target sm_80\n.address_size 64\n"
     ".global .align 4 .b8 table[256];\n"
@@ -43,6 +43,9 @@ static const char PTX[] =
     ".visible .entry spin_20ms(.param .u64 p) { ret; }\n"
     ".visible .entry spin_2ms(.param .u64 p) { ret; }\n"
     ".visible .entry spin_5ms(.param .u64 p) { ret; }\n"
-    ".visible .entry vector_add(.param .u64 a, .param .u64 b) { ret; }\n";
+    ".visible .entry vector_add(.param .u64 a, .param .u64 b) { ret; }\n"
+    ".visible .entry spin_1us(.param .u64 p) { ret; }\n"
+    /* no duration in its name: runs in waves, so its length follows its grid */
+    ".visible .entry wave_kernel(.param .u64 p) { ret; }\n";
 
 #endif
