@@ -27,6 +27,13 @@
 //! cannot swing it). Nothing integrates error over time, so there is no wind-up after idle
 //! phases, and idle periods (no samples, nothing paid) leave the estimate alone.
 //!
+//! **Issue 12, modelled here, not yet used by libvcuda.** A tenant can make the estimate
+//! wrong on purpose (tiny kernels, then heavy ones). [`Calibrator::settle`] charges, as
+//! debt, the device time NVML measured beyond what was paid; [`Markers`] bound the work a
+//! throttled process has queued (whatever it costs) and see a kernel-length switch as soon
+//! as the GPU reaches a marker. The simulation tests show what they hold, and what one cost
+//! estimate per process cannot (ARCHITECTURE.md).
+//!
 //! **Elastic shares.** [`elastic_rate`] moves the rate between the guaranteed share and the
 //! limit: up while the device has idle capacity and the process wants more, back down to
 //! the share quickly once other processes use the device and it is saturated.
@@ -61,6 +68,112 @@ pub fn capacity(cost_ns: u64, rate_ppm: u64) -> i64 {
     earned(CAPACITY_WINDOW_NS, rate_ppm)
         .max(cost_ns as i64)
         .max(1)
+}
+
+/// [`capacity`] for a limiter with [`Markers`]: no more than [`MARKER_LAUNCHES`] launches
+/// either, so a throttled process takes the slow path, where markers bound its queue, at
+/// least that often.
+pub fn marker_capacity(cost_ns: u64, rate_ppm: u64) -> i64 {
+    earned(CAPACITY_WINDOW_NS, rate_ppm)
+        .min((cost_ns as i64).saturating_mul(MARKER_LAUNCHES as i64))
+        .max(cost_ns as i64)
+        .max(1)
+}
+
+/// Launches between two markers of a throttled process, at most.
+pub const MARKER_LAUNCHES: u64 = 64;
+/// Markers that may be pending (recorded, not yet reached by the GPU) before the slow path
+/// waits: with [`MARKER_LAUNCHES`], a throttled process has at most about
+/// `MAX_PENDING_MARKERS × MARKER_LAUNCHES` launches queued, whatever they cost.
+pub const MAX_PENDING_MARKERS: usize = 2;
+/// A window between markers that ran this many times longer than it was paid for means the
+/// kernels got longer (at least this much device time, so host gaps cannot fake it).
+pub const SWITCH_FACTOR: f64 = 4.0;
+pub const MIN_SWITCH_NS: f64 = 1_000_000.0;
+
+/// A marker: an event the slow path records in the launching stream, which the GPU reaches
+/// once every launch before it has run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Marker {
+    /// Paid total (ns, debts left out) when it was recorded.
+    paid_ns: f64,
+    /// The cost per launch in force then (the launches after it paid that).
+    cost_ns: f64,
+    /// The previous marker was still pending when this one was recorded: everything between
+    /// them was queued before the GPU got there, so the time between them is device time
+    /// (no idle gap waiting for the host).
+    backed: bool,
+}
+
+/// The markers of one GPU: the slow path's bound on queued work and its fast detector of
+/// device time run unpaid (NVML takes up to a second to say so; a marker says it as soon as
+/// the GPU reaches it).
+#[derive(Debug, Clone, Default)]
+pub struct Markers {
+    pending: VecDeque<Marker>,
+    /// Paid total at the last marker the GPU reached.
+    done: Option<Marker>,
+}
+
+impl Markers {
+    /// Whether the slow path may admit: fewer than [`MAX_PENDING_MARKERS`] pending.
+    pub fn may_admit(&self) -> bool {
+        self.pending.len() < MAX_PENDING_MARKERS
+    }
+
+    /// Markers recorded and not yet reached.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// A marker was recorded with the paid total `paid_ns` (debts left out) and `cost_ns`
+    /// the estimate in force.
+    pub fn recorded(&mut self, paid_ns: f64, cost_ns: f64) {
+        let backed = !self.pending.is_empty();
+        self.pending.push_back(Marker {
+            paid_ns,
+            cost_ns,
+            backed,
+        });
+    }
+
+    /// Forget every marker (their context went away).
+    pub fn clear(&mut self) {
+        *self = Markers::default();
+    }
+
+    /// The oldest pending marker was reached, `elapsed_ns` of device time after the
+    /// previous one (`None`: not measurable). With `others` the fraction of the device
+    /// other processes used lately, says whether the window ran [`SWITCH_FACTOR`] times
+    /// longer than it was paid for (more when others share the device, whose time a window
+    /// includes): then the device time that ran unpaid in it, to charge at once as an
+    /// advance on what NVML will measure ([`Calibrator::settle`] refunds what it does not
+    /// confirm). The estimate itself is left to NVML: a window of long kernels in a mix
+    /// says nothing of the short ones, which a raised estimate would overcharge.
+    pub fn reached(&mut self, elapsed_ns: Option<f64>, others: f64) -> Option<Unpaid> {
+        let m = self.pending.pop_front()?;
+        let prev = self.done.replace(m);
+        let (prev, elapsed) = (prev?, elapsed_ns?);
+        let paid = (m.paid_ns - prev.paid_ns).max(prev.cost_ns);
+        let factor = SWITCH_FACTOR / (1.0 - others.clamp(0.0, 0.9));
+        if !m.backed || elapsed < MIN_SWITCH_NS || elapsed < factor * paid {
+            return None;
+        }
+        let launches = paid / prev.cost_ns.max(MIN_COST_NS);
+        Some(Unpaid {
+            per_launch_ns: (elapsed / launches).clamp(MIN_COST_NS, MAX_COST_NS),
+            debt_ns: elapsed - paid,
+        })
+    }
+}
+
+/// What a window between markers that ran far longer than paid showed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Unpaid {
+    /// Device time a launch of the window took, ns.
+    pub per_launch_ns: f64,
+    /// Device time that ran unpaid in it, ns.
+    pub debt_ns: f64,
 }
 
 /// The bucket after a refill: `tokens` plus what `elapsed_ns` earned, capped. Returns the
@@ -107,6 +220,13 @@ pub struct Calibrator {
     evidence: VecDeque<Evidence>,
     /// Samples added since the last update (an update needs a new one).
     fresh: usize,
+    /// The ledger: device time NVML measured, and time paid, over every sampled period.
+    busy_total_ns: f64,
+    paid_total_ns: f64,
+    /// (wall µs, total debt charged ns) recorded at each controller tick.
+    debts: VecDeque<(u64, f64)>,
+    /// End of the newest sampled period, wall µs.
+    sampled_to_us: u64,
 }
 
 impl Default for Calibrator {
@@ -122,6 +242,10 @@ impl Calibrator {
             paid: VecDeque::new(),
             evidence: VecDeque::new(),
             fresh: 0,
+            busy_total_ns: 0.0,
+            paid_total_ns: 0.0,
+            debts: VecDeque::new(),
+            sampled_to_us: 0,
         }
     }
 
@@ -174,7 +298,51 @@ impl Calibrator {
             self.evidence.pop_front();
         }
         self.fresh += 1;
+        self.busy_total_ns += busy;
+        self.paid_total_ns += paid;
+        self.sampled_to_us = self.sampled_to_us.max(end_us);
         true
+    }
+
+    /// Note the total debt charged so far (ns) at wall time `t_us`. Called every controller
+    /// tick, with [`Calibrator::record_paid`].
+    pub fn record_debt(&mut self, t_us: u64, debt_total_ns: f64) {
+        if self.debts.back().is_some_and(|&(t, _)| t >= t_us) {
+            return;
+        }
+        self.debts.push_back((t_us, debt_total_ns));
+        while self.debts.len() > 256 {
+            self.debts.pop_front();
+        }
+    }
+
+    /// The settlement, each tick: NVML's measurement is the final word on what ran unpaid.
+    /// `debt_ns` is every debt charged so far (by this or by [`Markers`], whose charges are
+    /// advances made before NVML can see the work). Positive: charge that much more (NVML
+    /// measured more unpaid time than has been charged). Negative: refund that much (debts
+    /// charged before the newest sampled period ended exceed what NVML measured: an advance
+    /// NVML does not confirm, e.g. a marker window of long kernels in a mix whose short
+    /// ones overpaid). Nothing within [`MIN_DEBT_NS`] (rounding noise).
+    ///
+    /// Never charges more than was used: work paid but not yet run makes the measured side
+    /// lag the paid side, never lead it. `paid_ns` given to [`Calibrator::record_paid`] must
+    /// leave debts out.
+    pub fn settle(&self, debt_ns: f64) -> i64 {
+        let target = (self.busy_total_ns - self.paid_total_ns).max(0.0);
+        if target - debt_ns >= MIN_DEBT_NS {
+            return (target - debt_ns) as i64;
+        }
+        // What had been charged by the end of the newest sampled period.
+        let before = self
+            .debts
+            .iter()
+            .rev()
+            .find(|&&(t, _)| t <= self.sampled_to_us)
+            .map_or(0.0, |&(_, d)| d);
+        if before - target >= MIN_DEBT_NS {
+            return -((before - target) as i64);
+        }
+        0
     }
 
     /// Replace the estimate (with a direct measurement, e.g. the first launch timed with
@@ -217,6 +385,10 @@ impl Calibrator {
         self.cost_ns
     }
 }
+
+/// The ledger charges nothing smaller (NVML's integer percent rounds a sample by up to half a
+/// percent of its period).
+pub const MIN_DEBT_NS: f64 = 100_000.0;
 
 /// Samples the estimate is taken over (~1 s of NVML periods).
 pub const WINDOW_SAMPLES: usize = 6;
@@ -281,6 +453,8 @@ mod tests {
         assert_eq!(wait_ns(300_000_000, 300_000), 1_000_000_000);
         assert_eq!(wait_ns(-5, 300_000), 0);
         assert_eq!(capacity(50_000, 500_000), 5_000_000);
+        assert_eq!(marker_capacity(50_000, 500_000), 3_200_000, "64 launches");
+        assert_eq!(marker_capacity(1_000_000, 100_000), 1_000_000, "a launch");
         assert_eq!(capacity(20_000_000, 500_000), 20_000_000);
         assert_eq!(refill(0, 1_000_000, 500_000, 100), (100, 100));
         assert_eq!(refill(-1000, 1_000, 500_000, 100), (-500, 500));
@@ -394,78 +568,14 @@ mod tests {
         seconds: u64,
         probe_err: f64,
     ) -> (f64, f64) {
-        const PERIOD: u64 = 166_667_000;
-        const TICK: u64 = 50_000_000;
         const SETTLE: u64 = 1_000_000_000;
-        let end = seconds * 1_000_000_000;
-        let mut cal = Calibrator::new(kernel_ns as f64 * probe_err);
-        let (mut tokens, mut paid, mut last_refill) = (0i64, 0u64, 0u64);
-        let mut ends: VecDeque<u64> = VecDeque::new(); // queued kernels' end times
-        let mut intervals: Vec<(u64, u64)> = Vec::new();
-        let mut first = 0usize; // first interval that may still overlap a future period
-        let (mut next_sample, mut next_tick) = (PERIOD, TICK);
-        let mut cum: Vec<(u64, u64)> = vec![(0, 0)]; // (period end, cumulative busy)
-        let mut t = 0u64;
-        while t < end {
-            while next_sample <= t {
-                let (a, b) = (next_sample - PERIOD, next_sample);
-                let mut busy = 0;
-                let mut i = first;
-                while i < intervals.len() && intervals[i].0 < b {
-                    let (s, e) = intervals[i];
-                    busy += e.min(b).saturating_sub(s.max(a));
-                    i += 1;
-                }
-                while first < intervals.len() && intervals[first].1 <= b {
-                    first += 1;
-                }
-                let pct = (busy as f64 / PERIOD as f64 * 100.0).round() as u32;
-                let pct = if busy > 0 { pct.max(1) } else { 0 };
-                cal.record_paid(b / 1000, paid);
-                cal.sample(b / 1000, PERIOD / 1000, pct);
-                cum.push((b, cum.last().map_or(0, |c| c.1) + busy));
-                next_sample += PERIOD;
-            }
-            while next_tick <= t {
-                cal.record_paid(next_tick / 1000, paid);
-                cal.update();
-                next_tick += TICK;
-            }
-            while ends.front().is_some_and(|&e| e <= t) {
-                ends.pop_front();
-            }
-            let horizon = next_sample.min(next_tick).min(end);
-            if ends.len() >= 64 {
-                t = ends
-                    .front()
-                    .copied()
-                    .unwrap_or(horizon)
-                    .min(horizon)
-                    .max(t + 1);
-                continue;
-            }
-            let cost = cal.cost_ns() as i64;
-            if tokens > 0 {
-                tokens -= cost;
-                paid += cost as u64;
-                let start = ends.back().copied().unwrap_or(t).max(t);
-                ends.push_back(start + kernel_ns);
-                intervals.push((start, start + kernel_ns));
-                continue;
-            }
-            tokens = refill(
-                tokens,
-                t - last_refill,
-                share_ppm,
-                capacity(cost as u64, share_ppm),
-            )
-            .0;
-            last_refill = t;
-            if tokens > 0 {
-                continue;
-            }
-            t = (t + wait_ns(1 - tokens, share_ppm)).min(horizon).max(t + 1);
-        }
+        let sim = Sim {
+            share_ppm,
+            period_ns: 166_667_000,
+            queue: 64,
+            initial_cost_ns: kernel_ns as f64 * probe_err,
+        };
+        let cum = sim.run(seconds * 1_000_000_000, |_, _| kernel_ns);
         let share = share_ppm as f64 / 1e6;
         let settled: Vec<&(u64, u64)> = cum.iter().filter(|c| c.0 >= SETTLE).collect();
         let (t0, b0) = *settled[0];
@@ -478,6 +588,152 @@ mod tests {
             worst = worst.max((bb - ba) as f64 / (tb - ta) as f64 - share);
         }
         (achieved, worst)
+    }
+
+    /// One process saturating a GPU, admitted by the bucket exactly as libvcuda admits
+    /// launches, observed only through rounded NVML samples of `period_ns`; each sample
+    /// feeds the calibration and the ledger (whose debt is charged to the bucket at once),
+    /// and the controller updates the estimate every 50 ms.
+    pub struct Sim {
+        pub share_ppm: u64,
+        pub period_ns: u64,
+        /// Launches the GPU queues before a launch blocks (gpusim: 1024).
+        pub queue: usize,
+        pub initial_cost_ns: f64,
+    }
+
+    impl Sim {
+        /// Run for `end_ns`; `kernel(t, n)` is the true duration of launch `n` (0-based)
+        /// issued at `t`. Returns (period end, cumulative busy) at every sample.
+        pub fn run(&self, end: u64, kernel: impl Fn(u64, u64) -> u64) -> Vec<(u64, u64)> {
+            const TICK: u64 = 50_000_000;
+            let (share_ppm, period) = (self.share_ppm, self.period_ns);
+            let mut cal = Calibrator::new(self.initial_cost_ns);
+            cal.record_paid(0, 0); // the controller ticks from before the first launch
+            let mut charged = 0.0f64; // every debt charged
+            let (mut tokens, mut paid, mut last_refill) = (0i64, 0u64, 0u64);
+            let mut ends: VecDeque<u64> = VecDeque::new(); // queued kernels' end times
+            let mut intervals: Vec<(u64, u64)> = Vec::new();
+            let mut first = 0usize; // first interval that may still overlap a future period
+            let (mut next_sample, mut next_tick) = (period, TICK);
+            let mut cum: Vec<(u64, u64)> = vec![(0, 0)]; // (period end, cumulative busy)
+            let (mut t, mut n) = (0u64, 0u64);
+            let mut markers = Markers::default();
+            let mut marker_at: VecDeque<u64> = VecDeque::new(); // when the GPU reaches each
+            let mut last_reached: Option<u64> = None;
+            let mut slow = false;
+            while t < end {
+                while next_sample <= t {
+                    let (a, b) = (next_sample - period, next_sample);
+                    let mut busy = 0;
+                    let mut i = first;
+                    while i < intervals.len() && intervals[i].0 < b {
+                        let (s, e) = intervals[i];
+                        busy += e.min(b).saturating_sub(s.max(a));
+                        i += 1;
+                    }
+                    while first < intervals.len() && intervals[first].1 <= b {
+                        first += 1;
+                    }
+                    let pct = (busy as f64 / period as f64 * 100.0).round() as u32;
+                    let pct = if busy > 0 { pct.max(1) } else { 0 };
+                    cal.record_paid(b / 1000, paid);
+                    cal.record_debt(b / 1000, charged);
+                    cal.sample(b / 1000, period / 1000, pct);
+                    let d = cal.settle(charged);
+                    charged += d as f64;
+                    tokens -= d;
+                    cum.push((b, cum.last().map_or(0, |c| c.1) + busy));
+                    next_sample += period;
+                }
+                while next_tick <= t {
+                    cal.record_paid(next_tick / 1000, paid);
+                    cal.record_debt(next_tick / 1000, charged);
+                    cal.update();
+                    next_tick += TICK;
+                }
+                while ends.front().is_some_and(|&e| e <= t) {
+                    ends.pop_front();
+                }
+                let horizon = next_sample.min(next_tick).min(end);
+                if ends.len() >= self.queue {
+                    t = ends
+                        .front()
+                        .copied()
+                        .unwrap_or(horizon)
+                        .min(horizon)
+                        .max(t + 1);
+                    continue;
+                }
+                if tokens <= 0 && !slow {
+                    // The slow path: markers the GPU reached, then a new one.
+                    slow = true;
+                    while marker_at.front().is_some_and(|&m| m <= t) {
+                        let m = marker_at.pop_front().unwrap_or(t);
+                        let elapsed = last_reached.map(|l| (m - l) as f64);
+                        last_reached = Some(m);
+                        if let Some(u) = markers.reached(elapsed, 0.0) {
+                            charged += u.debt_ns;
+                            tokens -= u.debt_ns as i64;
+                            if u.per_launch_ns > cal.cost_ns() {
+                                cal.set_cost(u.per_launch_ns);
+                            }
+                        }
+                    }
+                    if !markers.may_admit() {
+                        slow = false;
+                        t = marker_at
+                            .front()
+                            .copied()
+                            .unwrap_or(t)
+                            .min(horizon)
+                            .max(t + 1);
+                        continue;
+                    }
+                    markers.recorded(paid as f64, cal.cost_ns());
+                    marker_at.push_back(ends.back().copied().unwrap_or(t).max(t));
+                }
+                let cost = cal.cost_ns() as i64;
+                if tokens > 0 {
+                    slow = false;
+                    tokens -= cost;
+                    paid += cost as u64;
+                    let d = kernel(t, n);
+                    n += 1;
+                    let start = ends.back().copied().unwrap_or(t).max(t);
+                    ends.push_back(start + d);
+                    intervals.push((start, start + d));
+                    continue;
+                }
+                tokens = refill(
+                    tokens,
+                    t - last_refill,
+                    share_ppm,
+                    marker_capacity(cost as u64, share_ppm),
+                )
+                .0;
+                last_refill = t;
+                if tokens > 0 {
+                    continue;
+                }
+                t = (t + wait_ns(1 - tokens, share_ppm)).min(horizon).max(t + 1);
+            }
+            cum
+        }
+    }
+
+    /// Device time used between `a` and `b` (ns) from a run's cumulative samples, as a
+    /// fraction of the GPU (the samples nearest inside).
+    pub(crate) fn util(cum: &[(u64, u64)], a: u64, b: u64) -> f64 {
+        let at = |t: u64| {
+            cum.iter()
+                .rev()
+                .find(|c| c.0 <= t)
+                .copied()
+                .unwrap_or((0, 0))
+        };
+        let ((ta, ba), (tb, bb)) = (at(a), at(b));
+        (bb - ba) as f64 / (tb - ta).max(1) as f64
     }
 
     #[test]
@@ -498,6 +754,242 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The storm of issue 12: 20 000 launches of 1 µs (the estimate learns "a launch costs
+    /// 1 µs"), then 1 ms kernels as fast as the queue takes them. Before the ledger, the
+    /// estimate admitted a thousand times too much until calibration caught up: 28.7 % on
+    /// a 20 % share over 10 s with NVML's 1/6 s samples, 62 % with 1 s samples (gpusim).
+    /// With the ledger the device time used is charged as debt: over the 10 s from the
+    /// first launch the process stays within its share + 2 pp.
+    #[test]
+    fn a_storm_of_tiny_launches_then_heavy_ones_is_repaid_within_ten_seconds() {
+        for &period in &[166_667_000u64, 1_000_000_000] {
+            for &share in &[100_000u64, 200_000, 500_000] {
+                let sim = Sim {
+                    share_ppm: share,
+                    period_ns: period,
+                    queue: 1024,
+                    initial_cost_ns: 1_000.0,
+                };
+                let cum = sim.run(
+                    12_000_000_000,
+                    |_, n| if n < 20_000 { 1_000 } else { 1_000_000 },
+                );
+                let avg = util(&cum, 0, 10_000_000_000);
+                let over = (avg - share as f64 / 1e6) * 100.0;
+                assert!(
+                    over <= 2.0,
+                    "share {share} ppm, NVML period {period} ns: {:.1} % over 10 s ({over:+.1} pp)",
+                    avg * 100.0
+                );
+                let step = period.min(500_000_000);
+                let mut a = 1_000_000_000;
+                while a + 1_000_000_000 <= 11_000_000_000 {
+                    let w = (util(&cum, a, a + 1_000_000_000) - share as f64 / 1e6) * 100.0;
+                    assert!(w <= 5.0, "share {share} ppm, NVML period {period} ns: the 1 s window at {} ms ran {w:+.1} pp over", a / 1_000_000);
+                    a += step;
+                }
+            }
+        }
+    }
+
+    thread_local! {
+        static BURST: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((u64::MAX, 0)) };
+    }
+
+    /// Issue 12's launch patterns, simulated with the ledger and markers (which libvcuda
+    /// does not use yet, see ARCHITECTURE.md): whatever the kernel mix and NVML's sample
+    /// period, over the 10 s from the first launch a process stays within its share + 2 pp
+    /// and no 1 s window after the first second runs more than 5 pp over; a steady load
+    /// keeps its ±0.1 pp. Upper bounds only: "bursts by count" gets far less than its share
+    /// (one cost estimate per process cannot price both its kernels), the open problem.
+    #[test]
+    fn no_launch_pattern_runs_above_the_share() {
+        type Kernel = Box<dyn Fn(u64, u64) -> u64>;
+        let half_s = 500_000_000;
+        let patterns: Vec<(&str, Kernel)> = vec![
+            (
+                "storm",
+                Box::new(|_, n| if n < 20_000 { 1_000 } else { 1_000_000 }),
+            ),
+            (
+                "switch up",
+                Box::new(move |t, _| {
+                    if (t / half_s) % 2 == 0 {
+                        1_000
+                    } else {
+                        1_000_000
+                    }
+                }),
+            ),
+            (
+                "switch down",
+                Box::new(move |t, _| {
+                    if (t / half_s) % 2 == 1 {
+                        1_000
+                    } else {
+                        1_000_000
+                    }
+                }),
+            ),
+            (
+                "bursts",
+                Box::new(|t, _| {
+                    if t % 100_000_000 < 2_000_000 {
+                        1_000
+                    } else {
+                        1_000_000
+                    }
+                }),
+            ),
+            (
+                // every 100 ms: 2000 tiny launches, then heavy ones until the next burst
+                "bursts by count",
+                Box::new(|t, _| {
+                    let c = BURST.with(|b| {
+                        let (k, c) = b.get();
+                        let c = if k == t / 100_000_000 { c } else { 0 };
+                        b.set((t / 100_000_000, c + 1));
+                        c
+                    });
+                    if c < 2_000 {
+                        1_000
+                    } else {
+                        1_000_000
+                    }
+                }),
+            ),
+            ("steady", Box::new(|_, _| 50_000)),
+        ];
+        for (name, kernel) in &patterns {
+            for &period in &[166_667_000u64, 1_000_000_000] {
+                for &share in &[100_000u64, 200_000, 500_000] {
+                    let sim = Sim {
+                        share_ppm: share,
+                        period_ns: period,
+                        queue: 1024,
+                        // the first-launch probe measures the first kernel
+                        initial_cost_ns: kernel(0, 0) as f64,
+                    };
+                    let cum = sim.run(11_000_000_000, kernel);
+                    let target = share as f64 / 1e6;
+                    let avg = (util(&cum, 0, 10_000_000_000) - target) * 100.0;
+                    let what = format!(
+                        "{name}, share {share} ppm, NVML period {} ms",
+                        period / 1_000_000
+                    );
+                    assert!(avg <= 2.0, "{what}: {avg:+.2} pp over 10 s");
+                    if *name == "steady" {
+                        assert!(avg.abs() <= 0.1, "{what}: {avg:+.2} pp over 10 s");
+                    }
+                    let mut a = 1_000_000_000;
+                    while a + 1_000_000_000 <= 11_000_000_000 {
+                        let w = (util(&cum, a, a + 1_000_000_000) - target) * 100.0;
+                        assert!(
+                            w <= 5.0,
+                            "{what}: the 1 s window at {} ms ran {w:+.2} pp over",
+                            a / 1_000_000
+                        );
+                        a += period.min(half_s);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_window_between_markers_that_ran_far_longer_than_paid_is_charged_at_once() {
+        let mut m = Markers::default();
+        assert!(m.may_admit());
+        // 16 launches paid at 1 µs each; the GPU took 16 ms between the markers.
+        m.recorded(0.0, 1_000.0);
+        m.recorded(16_000.0, 1_000.0);
+        assert!(!m.may_admit(), "two pending: the slow path waits");
+        assert_eq!(
+            m.reached(None, 0.0),
+            None,
+            "the first reached marker only starts a window"
+        );
+        let debt = m
+            .reached(Some(16_000_000.0), 0.0)
+            .expect("1000x longer than paid");
+        assert_eq!(
+            debt,
+            Unpaid {
+                per_launch_ns: 1_000_000.0,
+                debt_ns: 16_000_000.0 - 16_000.0
+            },
+            "what ran unpaid"
+        );
+        assert!(m.may_admit());
+        // Paid at what it costs: nothing to charge.
+        m.recorded(16_000_000.0 + 16_000.0, 1_000_000.0);
+        assert_eq!(m.reached(Some(17_000_000.0), 0.0), None);
+    }
+
+    #[test]
+    fn a_window_the_gpu_may_have_idled_in_proves_nothing() {
+        // The previous marker was already reached when this one was recorded: the time
+        // between them may include the GPU waiting for the host.
+        let mut m = Markers::default();
+        m.recorded(0.0, 1_000.0);
+        m.reached(None, 0.0);
+        m.recorded(16_000.0, 1_000.0);
+        assert_eq!(m.reached(Some(50_000_000.0), 0.0), None);
+        // Short windows neither (host gaps between tiny kernels), nor ones others shared.
+        let mut m = Markers::default();
+        m.recorded(0.0, 1_000.0);
+        m.recorded(16_000.0, 1_000.0);
+        m.recorded(32_000.0, 1_000.0);
+        m.reached(None, 0.0);
+        assert_eq!(m.reached(Some(500_000.0), 0.0), None, "under MIN_SWITCH_NS");
+        let mut m = Markers::default();
+        m.recorded(0.0, 1_000_000.0);
+        m.recorded(16_000_000.0, 1_000_000.0);
+        m.reached(None, 0.0);
+        // 5x longer, but three quarters of the device went to others: time-slicing.
+        assert_eq!(m.reached(Some(80_000_000.0), 0.75), None);
+        m.recorded(32_000_000.0, 1_000_000.0); // nothing was pending: not backed
+        m.recorded(48_000_000.0, 1_000_000.0);
+        assert_eq!(m.reached(Some(80_000_000.0), 0.0), None);
+        assert!(
+            m.reached(Some(80_000_000.0), 0.0).is_some(),
+            "alone, 5x is a switch"
+        );
+    }
+
+    #[test]
+    fn the_ledger_charges_device_time_that_ran_unpaid_once_and_refunds_what_nvml_denies() {
+        let mut c = Calibrator::new(1_000.0);
+        c.record_paid(0, 0);
+        c.record_debt(0, 0.0);
+        c.record_paid(166_667, 10_000); // paid 10 µs in the period...
+        assert!(c.sample(166_667, 166_667, 60)); // ...which kept the device 60 % busy
+        let owed = c.settle(0.0);
+        assert!(
+            (owed as f64 - (0.6 * 166_667_000.0 - 10_000.0)).abs() < 1.0,
+            "{owed}"
+        );
+        assert_eq!(c.settle(owed as f64), 0, "charged once");
+        // Work paid but still queued (measured later) is no debt, and no refund either of
+        // what NVML did measure.
+        c.record_debt(200_000, owed as f64);
+        c.record_paid(333_334, 100_010_000);
+        assert!(c.sample(333_334, 166_667, 0));
+        c.record_debt(333_334, owed as f64);
+        assert!(
+            c.settle(owed as f64) < 0,
+            "now paid for: the advance comes back"
+        );
+        // An advance charged after the newest sample stays until NVML has seen its period.
+        let mut c = Calibrator::new(1_000.0);
+        c.record_paid(0, 0);
+        c.record_debt(0, 0.0);
+        c.record_paid(166_667, 0);
+        assert!(c.sample(166_667, 166_667, 0));
+        c.record_debt(200_000, 5_000_000.0); // a marker's debt, after that period
+        assert_eq!(c.settle(5_000_000.0), 0);
     }
 }
 #[cfg(test)]
