@@ -28,6 +28,7 @@ externs! {
     Cuda fn cuEventDestroy_v2(CUevent) -> CUresult;
     Cuda fn cuStreamGetDevice(CUstream, *mut CUdevice) -> CUresult;
     Nvml fn nvmlInit_v2() -> nvmlReturn_t;
+    Nvml fn nvmlDeviceGetSamples(nvmlDevice_t, u32, u64, *mut u32, *mut c_uint, *mut nvmlSample_t) -> nvmlReturn_t;
     Nvml fn nvmlDeviceGetProcessUtilization(nvmlDevice_t, *mut nvmlProcessUtilizationSample_t, *mut c_uint, u64) -> nvmlReturn_t;
     Nvml fn nvmlDeviceGetHandleByUUID(*const std::ffi::c_char, *mut nvmlDevice_t) -> nvmlReturn_t;
     Nvml fn nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t, *mut c_uint, *mut nvmlProcessInfo_t) -> nvmlReturn_t;

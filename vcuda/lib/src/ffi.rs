@@ -102,6 +102,18 @@ pub struct CUDA_LAUNCH_PARAMS {
     pub kernelParams: *mut *mut c_void,
 }
 
+/// One NVML sample of a device-wide value (`nvmlDeviceGetSamples`); `sampleValue` is the
+/// 8-byte `nvmlValue_t` union, read here only as an unsigned integer.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct nvmlSample_t {
+    pub timeStamp: u64,
+    pub sampleValue: u64,
+}
+
+/// `nvmlSamplingType_t`: the GPU's utilization samples.
+pub const NVML_GPU_UTILIZATION_SAMPLES: u32 = 1;
+
 /// One NVML per-process utilization sample.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
