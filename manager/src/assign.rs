@@ -1037,9 +1037,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn the_inventory_counts_what_allocations_hold() {
-        let inv = Inventory {
+    /// Two 40 GiB A100s, A and B, on a node without NVLink or NUMA information.
+    fn two_a100s() -> Inventory {
+        Inventory {
             gpus: vec![
                 Gpu {
                     uuid: A.into(),
@@ -1052,13 +1052,22 @@ mod tests {
                     minor: 1,
                 },
             ],
+            node: node(),
+            numa: vec![None, None],
+            models: vec!["NVIDIA A100-SXM4-40GB".into(); 2],
+            compute: vec!["8.0".into(); 2],
+        }
+    }
+
+    #[test]
+    fn the_inventory_counts_what_allocations_hold() {
+        let inv = Inventory {
             node: Node {
                 links: vec![vec![Link::NvLink(4); 2]; 2],
                 ..node()
             },
             numa: vec![Some(0), None],
-            models: vec!["NVIDIA A100-SXM4-40GB".into(); 2],
-            compute: vec!["8.0".into(); 2],
+            ..two_a100s()
         };
         let allocs = vec![
             alloc(&[A], 30, 4 << 30),
@@ -1095,24 +1104,7 @@ mod tests {
 
     #[test]
     fn the_inventory_records_what_each_pod_holds_init_containers_at_their_largest() {
-        let inv = Inventory {
-            gpus: vec![
-                Gpu {
-                    uuid: A.into(),
-                    memory: 40 << 30,
-                    minor: 0,
-                },
-                Gpu {
-                    uuid: B.into(),
-                    memory: 40 << 30,
-                    minor: 1,
-                },
-            ],
-            node: node(),
-            numa: vec![None, None],
-            models: vec!["NVIDIA A100-SXM4-40GB".into(); 2],
-            compute: vec!["8.0".into(); 2],
-        };
+        let inv = two_a100s();
         let owned = |gpus: &[&str], percent, quota, pod: &str, container: &str| Allocation {
             owner: Some(Owner {
                 namespace: "ns".into(),
