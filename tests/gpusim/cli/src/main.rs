@@ -46,6 +46,15 @@ enum Cmd {
     },
     /// Print the built-in configuration (two A100-40GB GPUs), a starting point for your own.
     DefaultConfig,
+    /// Serve host pids to simulated-driver processes in containers, as a kernel driver knows
+    /// them: mount SOCKET into each container and set GPUSIM_PID_SOCKET there to its path.
+    /// Each process then appears in NVML (and `gpusim status`) under its host pid, as on a
+    /// real node. Prints `ready` once listening; runs until killed.
+    PidService {
+        /// The Unix socket to create (an existing socket there is replaced).
+        #[arg(long)]
+        socket: std::path::PathBuf,
+    },
 }
 
 #[derive(Serialize)]
@@ -93,6 +102,7 @@ fn main() -> Result<()> {
         Cmd::Status { json } => status(json),
         Cmd::InjectXid { gpu, xid } => inject(&gpu, xid),
         Cmd::ResetPeak { gpu } => reset_peak(gpu.as_deref()),
+        Cmd::PidService { socket } => pid_service(&socket),
     }
 }
 
@@ -220,4 +230,27 @@ fn reset_peak(gpu: Option<&str>) -> Result<()> {
         );
     }
     Ok(())
+}
+
+fn pid_service(path: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)
+            .with_context(|| format!("cannot replace the socket {}", path.display()))?,
+        Ok(_) => bail!(
+            "{} exists and is not a socket: choose another --socket",
+            path.display()
+        ),
+        Err(_) => {}
+    }
+    let listener = std::os::unix::net::UnixListener::bind(path)
+        .with_context(|| format!("cannot listen on {}", path.display()))?;
+    // Processes of any user in a container connect to it.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
+        .with_context(|| format!("cannot open {} to every user", path.display()))?;
+    println!("ready");
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    gpusim_core::hostpid::serve(&listener)
+        .with_context(|| format!("accepting on {} failed", path.display()))
 }

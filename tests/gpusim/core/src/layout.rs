@@ -23,7 +23,8 @@ use crate::robust::RawRobustMutex;
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUSIMST");
 /// Layout version; bump on any change to the structs below.
 /// Version 3: memory in use is the sum of the process slots (no separate total).
-pub const VERSION: u32 = 3;
+/// Version 4: a process slot records the pid namespace its pid belongs to.
+pub const VERSION: u32 = 4;
 pub const MAX_GPUS: usize = 8;
 pub const MAX_PROCS: usize = 128;
 /// Contexts per GPU (across all processes) that can hold queued work.
@@ -68,7 +69,11 @@ pub struct ProcSlot {
     pub pid: AtomicU32,
     /// Bumped at every claim, so a queue can tell a reused slot from its owner.
     pub generation: AtomicU32,
-    pub _pad: u32,
+    /// The pid namespace `pid` is a number in (the inode of the owner's
+    /// `/proc/self/ns/pid`, low 32 bits; 0 = unknown). A process in a container sees other
+    /// containers' and the host's pids as meaningless or as someone else's, so it judges a
+    /// slot of another namespace by its lock alone.
+    pub pid_ns: AtomicU32,
     /// Process name (comm), NUL padded, 8 bytes per word.
     pub name: [AtomicU64; 8],
     /// Device memory held, bytes, per GPU (contexts, modules, allocations).

@@ -10,6 +10,7 @@
 
 pub mod config;
 pub mod cost;
+pub mod hostpid;
 pub mod layout;
 pub mod robust;
 pub mod sched;

@@ -549,12 +549,18 @@ impl State {
 
     /// Whether the process holding slot `i` still runs: its open-file-description lock on
     /// the slot's byte is held (the kernel drops it when the process dies, even by SIGKILL)
-    /// and its pid is alive and not a zombie (a forked child can keep the lock alive).
-    fn slot_alive(&self, i: u32) -> bool {
-        let pid = self.slots()[i as usize].pid.load(Relaxed);
-        // Our own open file description never conflicts with itself, so ask by pid.
-        // SAFETY: getpid cannot fail.
-        if pid == unsafe { libc::getpid() } as u32 {
+    /// and, where its pid means something here (the same pid namespace), that pid is alive
+    /// and not a zombie (a forked child can keep the lock alive). A slot of another pid
+    /// namespace (a process in another container, or on the host as seen from a container)
+    /// is judged by the lock alone: its pid may be unused here, or another process's.
+    fn slot_alive(&self, i: u32, own_ns: u32) -> bool {
+        let s = &self.slots()[i as usize];
+        let pid = s.pid.load(Relaxed);
+        let ns = s.pid_ns.load(Relaxed);
+        // Our own open file description never conflicts with itself, so know our own slot
+        // by our identity (a host pid, in a container: crate::hostpid).
+        let (me, me_ns) = crate::hostpid::known_identity();
+        if pid == me && (ns == 0 || ns == me_ns) {
             return true;
         }
         match self.liveness_lock(i, libc::F_OFD_GETLK, libc::F_WRLCK) {
@@ -562,22 +568,25 @@ impl State {
             Ok(_) => {}
             Err(_) => return true,
         }
-        pid_alive(pid)
+        // A pid means something here only in our own pid namespace.
+        let here = ns == 0 || ns == own_ns;
+        !here || pid_alive(pid)
     }
 
     /// Claim a process slot for the calling process.
     pub fn register_process(&self) -> Result<ProcHandle, SimError> {
         self.reap_dead();
+        // The driver's name for this process: its host pid (crate::hostpid). Asked before
+        // the process table's lock is taken: it may wait on a socket.
+        let (pid, pid_ns) = crate::hostpid::identity();
         let h = self.header();
         h.procs_lock.lock().map_err(|e| self.lock_err(e))?;
-        let res = self.claim_slot();
+        let res = self.claim_slot(pid, pid_ns);
         h.procs_lock.unlock();
         res
     }
 
-    fn claim_slot(&self) -> Result<ProcHandle, SimError> {
-        // SAFETY: getpid cannot fail.
-        let pid = unsafe { libc::getpid() } as u32;
+    fn claim_slot(&self, pid: u32, pid_ns: u32) -> Result<ProcHandle, SimError> {
         let name = std::fs::read_to_string("/proc/self/comm").unwrap_or_default();
         for (i, s) in self.slots().iter().enumerate() {
             if s.state.load(Acquire) != SLOT_FREE {
@@ -593,6 +602,7 @@ impl State {
             let generation = s.generation.load(Relaxed).wrapping_add(1);
             s.generation.store(generation, Relaxed);
             s.pid.store(pid, Relaxed);
+            s.pid_ns.store(pid_ns, Relaxed);
             store_name(&s.name, name.trim_end());
             for g in 0..MAX_GPUS {
                 s.mem[g].store(0, Relaxed);
@@ -652,8 +662,11 @@ impl State {
             return 0;
         }
         let mut freed = 0;
+        let own_ns = crate::hostpid::own_pid_ns();
         for i in 0..MAX_PROCS as u32 {
-            if self.slots()[i as usize].state.load(Acquire) == SLOT_ACTIVE && !self.slot_alive(i) {
+            if self.slots()[i as usize].state.load(Acquire) == SLOT_ACTIVE
+                && !self.slot_alive(i, own_ns)
+            {
                 self.release_slot(i);
                 freed += 1;
             }
