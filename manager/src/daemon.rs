@@ -2,9 +2,11 @@
 //! whenever the kubelet restarts, never by exiting), XID health, the control socket and the
 //! control loop.
 //!
-//! Order at start: NVML inventory (fast), then serve both plugin sockets, then register —
-//! the kubelet dials back inside Register, so the servers must be up first, and a kubelet
-//! may admit pods right after a reboot, so nothing slow stands before registration.
+//! Order at start: the library's check against the glibc baseline (milliseconds; a refusal
+//! ends the process before any pod can be given the library), NVML inventory (fast), then
+//! serve both plugin sockets, then register — the kubelet dials back inside Register, so the
+//! servers must be up first, and a kubelet may admit pods right after a reboot, so nothing
+//! slow stands before registration.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +21,7 @@ use tracing::{error, info, warn};
 use vcuda_proto::constants;
 use vcuda_proto::deviceplugin::v1beta1 as dp;
 
+use crate::baseline::{self, BaselineError};
 use crate::core::Core;
 use crate::gpus::{self, Health};
 use crate::ids::Kind;
@@ -27,6 +30,7 @@ use crate::settings::Settings;
 
 /// Run until SIGTERM / SIGINT.
 pub async fn run(settings: Settings) -> Result<()> {
+    check_library(&settings)?;
     let nvml = gpus::open(settings.nvml_library.as_deref())
         .context("cannot load NVML (is the NVIDIA driver installed, or --nvml-library right?)")?;
     let inventory = gpus::discover(nvml).context("cannot list the GPUs through NVML")?;
@@ -149,6 +153,34 @@ pub async fn run(settings: Settings) -> Result<()> {
             }
         }
     }
+}
+
+/// The library every container preloads must load in the images at the baseline: else every
+/// process of a pod given it fails to start (issue 13). Refused, the manager never registers.
+fn check_library(settings: &Settings) -> Result<()> {
+    let path = &settings.library;
+    let Some(baseline) = settings.library_baseline else {
+        warn!(
+            "--library-baseline off: the library {} is not checked against a glibc baseline; in an image that cannot load it, every process of the pod fails to start",
+            path.display()
+        );
+        return Ok(());
+    };
+    let report = std::fs::read(path)
+        .map_err(|source| BaselineError::Unreadable {
+            path: path.clone(),
+            source,
+        })
+        .and_then(|bytes| baseline::check(path, &bytes, baseline))
+        .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
+    info!(
+        "library {} meets the glibc {}.{} baseline ({})",
+        path.display(),
+        baseline.0,
+        baseline.1,
+        report.summary()
+    );
+    Ok(())
 }
 
 /// Resolves once `kubelet.sock` exists and accepts connections.

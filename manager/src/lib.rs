@@ -7,6 +7,7 @@
 //!   agreement check, the published inventory and retired reservations (pure);
 //! - [`apiserver`]: the API server client and the inventory publisher (kube-rs);
 //! - [`settings`]: the settings file and flags;
+//! - [`baseline`]: whether the library it mounts loads in old images (glibc baseline; pure);
 //! - [`gpus`]: NVML inventory, topology, XID health, process samples;
 //! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (pure parsers);
 //! - [`journal`]: the checkpoint, an append-only file of allocation records;
@@ -21,6 +22,7 @@
 pub mod allocation;
 pub mod apiserver;
 pub mod assign;
+pub mod baseline;
 pub mod control;
 pub mod control_loop;
 pub mod core;

@@ -52,6 +52,14 @@ pub struct Flags {
     /// libvcuda.so on the host, mounted read-only into every container.
     #[arg(long, value_name = "PATH")]
     pub library: Option<PathBuf>,
+    /// The oldest glibc that --library must load with. Every container preloads it, so the
+    /// manager refuses to start if it requires a newer GLIBC_ symbol version or a shared
+    /// object that is not glibc's own (as libgcc_s.so.1): in an image it could not load in,
+    /// every process of the pod would fail to start. A newer version is for nodes whose
+    /// images are all that new; `off` skips the check [default: 2.17, what
+    /// scripts/build-portable builds for].
+    #[arg(long, value_name = "VERSION|off")]
+    pub library_baseline: Option<String>,
     /// NVML library to load (default: the system's libnvidia-ml.so.1).
     #[arg(long, value_name = "PATH")]
     pub nvml_library: Option<PathBuf>,
@@ -118,6 +126,7 @@ struct File {
     state_dir: Option<PathBuf>,
     run_dir: Option<PathBuf>,
     library: Option<PathBuf>,
+    library_baseline: Option<String>,
     nvml_library: Option<PathBuf>,
     xid_ignore: Option<Vec<u64>>,
     recover_after: Option<u64>,
@@ -155,6 +164,8 @@ pub struct Settings {
     pub state_dir: PathBuf,
     pub run_dir: PathBuf,
     pub library: PathBuf,
+    /// The glibc (major, minor) the library must load with; None: not checked.
+    pub library_baseline: Option<(u32, u32)>,
     pub nvml_library: Option<PathBuf>,
     pub xid_ignore: Vec<u64>,
     pub recover_after: u64,
@@ -232,6 +243,20 @@ impl Settings {
                 &file.library,
                 "/usr/local/vcuda/lib64/libvcuda.so",
             ),
+            library_baseline: match flags
+                .library_baseline
+                .clone()
+                .or(file.library_baseline)
+                .as_deref()
+            {
+                None => Some(crate::baseline::DEFAULT),
+                Some("off") => None,
+                Some(v) => Some(crate::baseline::parse_version(v).ok_or_else(|| {
+                    format!(
+                        "--library-baseline {v:?}: expected a glibc version such as 2.17 (MAJOR.MINOR), or off"
+                    )
+                })?),
+            },
             nvml_library: flags.nvml_library.clone().or(file.nvml_library),
             xid_ignore: flags
                 .xid_ignore
@@ -392,6 +417,41 @@ mod tests {
         assert_eq!(s.domain, "tencent.com");
         assert_eq!(s.xid_ignore, DEFAULT_XID_IGNORE);
         assert!(!s.watchdog_kill);
+        assert_eq!(s.library_baseline, Some((2, 17)));
+    }
+
+    #[test]
+    fn the_library_baseline_is_a_glibc_version_or_off() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("m.toml");
+        std::fs::write(&f, "library_baseline = \"2.28\"\n").unwrap();
+        let file = f.to_str().unwrap();
+        let load = |args: &[&str]| {
+            Settings::load(&Flags::parse_from(
+                ["vcuda-manager"].iter().chain(args).copied(),
+            ))
+        };
+        assert_eq!(
+            load(&["--config", file]).unwrap().library_baseline,
+            Some((2, 28))
+        );
+        assert_eq!(
+            load(&["--config", file, "--library-baseline", "2.34"])
+                .unwrap()
+                .library_baseline,
+            Some((2, 34))
+        );
+        assert_eq!(
+            load(&["--library-baseline", "off"])
+                .unwrap()
+                .library_baseline,
+            None
+        );
+        let e = load(&["--library-baseline", "GLIBC_2.34"]).unwrap_err();
+        assert!(
+            e.contains("--library-baseline") && e.contains("2.17"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -18,7 +18,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 LIB = ROOT / "target" / "gpusim" / "lib"
 BIN = ROOT / "target" / "gpusim" / "bin"
 GPUSIM = BIN / "gpusim"
-VCUDA_LIB = ROOT / "target" / "release" / "libvcuda.so"
+# The library as shipped: built for the glibc 2.17 baseline by scripts/build-portable (the
+# manager refuses to mount anything else). VCUDA_LIB runs another build (e.g. a before/after).
+VCUDA_LIB = pathlib.Path(os.environ.get("VCUDA_LIB", ROOT / "target" / "portable" / "libvcuda.so"))
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -47,7 +49,7 @@ def nvml_include_dir():
 def gpusim_built():
     for f in (LIB / "libcuda.so.1", LIB / "libnvidia-ml.so.1", GPUSIM, VCUDA_LIB):
         if not f.exists():
-            pytest.exit(f"{f} is missing: run scripts/build-gpusim first (scripts/test does)", returncode=2)
+            pytest.exit(f"{f} is missing: run scripts/build-gpusim and scripts/build-portable first (scripts/test does)", returncode=2)
 
 
 class Sim:
