@@ -43,7 +43,9 @@ exec "$@"
 
 
 class Node:
-    def __init__(self, sim, root: pathlib.Path, recover_after=300, run_on_tmpfs=False):
+    def __init__(self, sim, root: pathlib.Path, recover_after=300, run_on_tmpfs=False, proc_root=None):
+        """proc_root: the /proc the manager reads (default: a fake tree under `root`, which
+        `Container` fills; real containers, tests/containers, use the real /proc)."""
         self.sim = sim
         self.root = root
         self.plugin_dir = root / "device-plugins"
@@ -55,9 +57,11 @@ class Node:
         if run_on_tmpfs and pathlib.Path("/dev/shm").is_dir():
             self.tmpfs_run = pathlib.Path(tempfile.mkdtemp(prefix="vcuda-run-", dir="/dev/shm"))
         self.run_dir = self.tmpfs_run or root / "run"
-        self.proc_root = root / "proc"
-        for d in (self.plugin_dir, self.pr_socket.parent, self.proc_root):
+        self.proc_root = pathlib.Path(proc_root) if proc_root else root / "proc"
+        for d in (self.plugin_dir, self.pr_socket.parent):
             d.mkdir(parents=True, exist_ok=True)
+        if not proc_root:
+            self.proc_root.mkdir(parents=True, exist_ok=True)
         self.recover_after = recover_after
         self.log_level = "info"
         self.manager_log = root / "manager.log"
