@@ -370,13 +370,22 @@ impl Calibrator {
         if n < MIN_SAMPLES || launches < MIN_LAUNCHES {
             return self.cost_ns;
         }
+        // The step is bounded per NVML's usual period (1/6 s), not per sample: with 1 s
+        // samples a ×4 clamp per sample took 5 s to learn a 1000× change, while the ledger
+        // held the process in debt, and the queue it refilled at the old estimate on
+        // repaying was the whole second again (issue 12's storm at 1 s samples).
+        let steps = self
+            .evidence
+            .back()
+            .map_or(1.0, |e| (e.span_ns / USUAL_PERIOD_NS).max(1.0));
+        let (lo, hi) = (0.25f64.powf(steps), 4.0f64.powf(steps));
         self.fresh = 0;
-        let mut ratio = (busy.max(0.0) / launches / self.cost_ns).clamp(0.25, 4.0);
+        let mut ratio = (busy.max(0.0) / launches / self.cost_ns).clamp(lo, hi);
         // A device kept (nearly) fully busy by this process cannot show more: busy/launches
         // is then only a lower bound on the true cost, and work admitted too cheaply is
         // piling up. Correct hard.
         if span > 0.0 && busy >= 0.95 * span && ratio > 1.0 {
-            ratio = (ratio * 2.0).min(4.0);
+            ratio = (ratio * 2.0).min(hi);
         }
         // Damped, so one rounded sample cannot swing it, and more so when the window covers
         // few launches.
@@ -389,6 +398,9 @@ impl Calibrator {
 /// The ledger charges nothing smaller (NVML's integer percent rounds a sample by up to half a
 /// percent of its period).
 pub const MIN_DEBT_NS: f64 = 100_000.0;
+
+/// NVML's usual per-process sample period (1/6 s), ns: the unit of the estimate's step bound.
+pub const USUAL_PERIOD_NS: f64 = 166_667_000.0;
 
 /// Samples the estimate is taken over (~1 s of NVML periods).
 pub const WINDOW_SAMPLES: usize = 6;
@@ -476,6 +488,36 @@ mod tests {
         assert!(
             cost < 1_000_000.0 * 0.4 && cost > 1_000_000.0 * 0.2,
             "{cost}"
+        );
+    }
+
+    /// The step bound is per 1/6 s of evidence: one 1 s sample may move the estimate as far
+    /// as six 1/6 s samples could, and a 1/6 s sample no further than before.
+    #[test]
+    fn a_long_sample_may_move_the_estimate_as_far_as_the_short_ones_it_spans() {
+        // Paid 1 ms of device time per 50 ms at an estimate of 1 µs a launch (1000 launches
+        // a tick) while the device was kept fully busy: a launch costs 50 µs, 50× the
+        // estimate.
+        let run = |period_us: u64, samples: u64| {
+            let mut c = Calibrator::new(1_000.0);
+            let ticks = (period_us * samples).div_ceil(50_000);
+            for i in 0..=ticks {
+                c.record_paid(i * 50_000, i * 1_000_000);
+            }
+            for k in 1..=samples {
+                assert!(c.sample(k * period_us, period_us, 100));
+            }
+            c.update()
+        };
+        let short = run(166_667, 2);
+        let long = run(1_000_000, 2);
+        assert!(
+            short <= 1_000.0 * 4.0,
+            "a 1/6 s step stays within 4×: {short}"
+        );
+        assert!(
+            long >= 1_000.0 * 20.0,
+            "one update on 1 s samples learns most of a 50× change: {long}"
         );
     }
 
