@@ -680,6 +680,10 @@ struct GpuCtl {
     /// Whether NVML has ever shown a sample with this process's pid. Until it has, samples
     /// without it prove nothing (the pid may be from another namespace), so none are used.
     pid_seen: bool,
+    /// The ledger (issue 12): every debt charged to the bucket so far, ns (refunds
+    /// subtracted). NVML's measured device time minus what launches paid is owed, whatever
+    /// the estimate said a launch cost.
+    charged: i64,
 }
 
 impl GpuCtl {
@@ -695,6 +699,7 @@ impl GpuCtl {
             elastic_rate: 0,
             exclusive: false,
             pid_seen: false,
+            charged: 0,
         }
     }
 }
@@ -791,7 +796,10 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
     if gp != 0 {
         c.graph_cost = gp as f64;
     }
-    c.cal.record_paid(wall_us(), paid);
+    // The calibration and the ledger count what launches paid, debts left out.
+    let t_us = wall_us();
+    c.cal.record_paid(t_us, launches_paid(paid, c.charged));
+    c.cal.record_debt(t_us, c.charged as f64);
 
     // NVML: this process's samples feed the calibration; everyone's, the elastic share.
     let (share_p, limit_p) = (lim::split(share, active), lim::split(limit, active));
@@ -836,8 +844,31 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
     c.last_paid = paid;
 }
 
+/// What launches paid of `paid` (a bucket's [`paid_total`]), the ledger's debts left out.
+fn launches_paid(paid: u64, charged: i64) -> u64 {
+    (i128::from(paid) - i128::from(charged)).clamp(0, i128::from(u64::MAX)) as u64
+}
+
+/// The ledger's settlement after a sample: charge the bucket what NVML measured running
+/// unpaid beyond what was charged, or refund a charge NVML did not confirm
+/// (`Calibrator::settle`).
+fn settle(b: &Bucket, c: &mut GpuCtl, dev: usize) {
+    let d = c.cal.settle(c.charged as f64);
+    if d != 0 {
+        b.tokens.fetch_sub(d, Relaxed);
+        c.charged += d;
+        log!(
+            DEBUG,
+            "GPU {dev}: ledger {} {} ns of device time (charged in all {} ns)",
+            if d > 0 { "charges" } else { "refunds" },
+            d.unsigned_abs(),
+            c.charged
+        );
+    }
+}
+
 /// Device time this process has paid for on a bucket, ns: what was added, less what is
-/// left, less what waiting launches were charged.
+/// left, less what waiting launches were charged (debts charged by the ledger included).
 fn paid_total(b: &Bucket) -> u64 {
     let p = i128::from(b.refilled.load(Relaxed))
         - i128::from(b.tokens.load(Relaxed))
@@ -939,7 +970,9 @@ fn read_samples(
             if c.pid_seen && p != 0 && d > p + p / 2 {
                 let missing = (d + p / 2) / p - 1;
                 for j in 1..=missing.min(64) {
-                    c.cal.sample(prev + j * p, p, 0);
+                    if c.cal.sample(prev + j * p, p, 0) {
+                        settle(&v.limiter.gpus[dev], c, dev);
+                    }
                 }
             }
         }
@@ -950,7 +983,9 @@ fn read_samples(
             c.period_us
         };
         if c.pid_seen {
-            c.cal.sample(ts, period, own);
+            if c.cal.sample(ts, period, own) {
+                settle(&v.limiter.gpus[dev], c, dev);
+            }
             newest = Some((f64::from(others) / 100.0, f64::from(own) / 100.0));
         }
     }

@@ -1,0 +1,59 @@
+"""The compute share against a tenant that games the cost estimate (issue 12), judged by
+gpusim's ground truth. The patterns are c/vcuda_adversary.c's, as scripts/bench-limiter's
+adversarial table runs them; this file holds the cases the limiter bounds today.
+
+The storm: 20 000 launches of 1 µs teach the estimate "a launch costs 1 µs", then 1 ms
+kernels fill the launch queue with a thousand times what they paid. Before the ledger a
+20 % tenant averaged 36 % over the 10 s from its first launch with NVML's 1/6 s samples and
+71 % with 1 s samples. The ledger charges what NVML measured running unpaid as debt the
+bucket repays, so over 10 s the tenant gets its share.
+
+Tolerance: share + 2 pp over the 10 s from the first launch (issue 12, point 1), with NVML's
+usual 1/6 s samples. Not asserted yet, and why (scripts/bench-limiter's adversarial table
+shows them): the worst 1 s window (the queue the storm filled runs at full speed until NVML
+shows it, up to a period later; bounding it needs the slow path's markers, which the model
+in vcuda-limiter has and libvcuda not yet), and 1 s samples (by the time the first sample
+shows the storm, about 2 s of work has run at a 20 % share, which the rest of the 10 s can
+only just repay: 19-33 % in runs of this test).
+"""
+
+import pathlib
+import subprocess
+
+import pytest
+
+from conftest import LIB, ROOT, VCUDA_LIB, cuda_include_dir
+from limit_common import Machine
+
+SHARE = 20
+SLACK_PP = 2.0
+SECONDS = 11
+
+
+@pytest.fixture(scope="module")
+def adversary(tmp_path_factory):
+    out = tmp_path_factory.mktemp("adversary") / "vcuda_adversary"
+    cmd = ["gcc", "-std=gnu11", "-O1", "-Wno-deprecated-declarations", f"-I{cuda_include_dir()}",
+           str(ROOT / "tests" / "gpusim" / "e2e" / "c" / "vcuda_adversary.c"), "-o", str(out),
+           f"-L{LIB}", "-lcuda", "-pthread"]
+    subprocess.run(cmd, check=True)
+    return out
+
+
+def test_a_storm_of_tiny_kernels_buys_no_more_than_the_share_over_10s(tmp_path, adversary):
+    period_us = 166_667
+    # gpusim's wave cost of 1 µs makes the adversary's 1-wave kernels 1 µs long.
+    m = Machine(tmp_path / "m", 1, adversary, sample_period_us=period_us, wave_ns=1000)
+    try:
+        c = m.tenant(0, "storm", core=SHARE)
+        c.env["LD_PRELOAD"] = str(VCUDA_LIB)
+        m.sample(0.2)
+        ld = m.spawn(c, 0, ["--mode", "storm", "--seconds", str(SECONDS)])
+        ld.wait(timeout=SECONDS + 30)
+    finally:
+        m.stop()
+    avg = ld.util(0.0, 10.0) * 100
+    assert avg <= SHARE + SLACK_PP, (
+        f"a {SHARE} % tenant's storm got {avg:.1f} % of the GPU over 10 s (NVML period {period_us} µs)")
+    # And the ledger does not starve it: it still gets most of its share.
+    assert avg >= SHARE - 5, f"the storm got {avg:.1f} % of a {SHARE} % share"
