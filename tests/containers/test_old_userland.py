@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "tests" / "gpusim" / "e2e"))
 sys.path.insert(0, str(ROOT / "tests" / "containers"))
 
 from conftest import Sim, cuda_include_dir, gpusim_built  # noqa: E402,F401
-from node_common import Node, wait_for  # noqa: E402
+from node_common import Node  # noqa: E402
 import runtime  # noqa: E402
-from test_real_containers import engine_ready, held_mib, pynvml_file, registrations  # noqa: E402,F401
+from test_real_containers import engine_ready, fill_registered, held_mib, pynvml_file  # noqa: E402,F401
 
 OLD = "vcuda/base:bullseye"
 PORTABLE_GPUSIM = ROOT / "target" / "portable" / "gpusim" / "lib"
@@ -91,7 +91,7 @@ def test_every_process_of_an_old_image_starts_with_the_library_and_is_held(old):
 
     # The quota: allocate until refused; gpusim's high-water mark stays within 1 GiB.
     node.sim.gpusim("reset-peak")
-    out = _fill(node, c)
+    out = fill_registered(node, c, 64, 100000, program="/tmp/fill")
     got = held_mib(out)
     assert "refused" in out and got < 1024, out
     peak = node.sim.status()["gpus"][0]["memory_peak"]
@@ -112,24 +112,6 @@ def test_every_process_of_an_old_image_starts_with_the_library_and_is_held(old):
     share = (b[1] - a[1]) / (b[0] - a[0])
     assert abs(share - 0.30) <= 0.03, f"the load ran at {share:.1%} of the GPU, share 30 %"
     print(f"old userland: {seen}, held {got} MiB of 1024, peak {peak / MiB:.0f} MiB, share {share:.2%}")
-
-
-def _fill(node, c):
-    # fill built inside the container, at /tmp/fill (fill_registered runs the mounted one).
-    n = registrations(node)
-    p = c.popen("/tmp/fill", 64, 100000)
-    out = ""
-    for line in p.stdout:
-        out += line
-        if "holds" in line or "failed" in line:
-            break
-    try:
-        wait_for("the old image's process to register with the manager", lambda: registrations(node) > n)
-    finally:
-        p.stdin.close()
-        out += p.stdout.read()
-        p.wait(timeout=30)
-    return out
 
 
 def _busy(node, pid):

@@ -102,12 +102,12 @@ def registrations(node):
     return node.log().count("process registered")
 
 
-def fill_registered(node, c, step, most, env=None):
-    """Run `fill STEP MOST` in container `c` until it says what it holds; keep it alive until
-    the manager has registered it (a process that exits at once may be gone before the
-    manager reads its cgroup), then let it exit. Returns its output."""
+def fill_registered(node, c, step, most, env=None, program=FILL):
+    """Run `fill STEP MOST` (`program`) in container `c` until it says what it holds; keep
+    it alive until the manager has registered it (a process that exits at once may be gone
+    before the manager reads its cgroup), then let it exit. Returns its output."""
     n = registrations(node)
-    p = c.popen(FILL, step, most, env=env)
+    p = c.popen(program, step, most, env=env)
     out = ""
     try:
         for line in p.stdout:
@@ -121,6 +121,22 @@ def fill_registered(node, c, step, most, env=None):
         p.wait(timeout=30)
     assert p.returncode == 0, f"fill exited {p.returncode}: {out}{rest}{err}"
     return out + rest
+
+
+def hold(c, mib):
+    """Start `fill MIB MIB` in container `c` and return it once it holds `mib` MiB (it holds
+    them until its stdin closes); fails with what it said otherwise."""
+    p = c.popen(FILL, mib, mib)
+    out = ""
+    for line in p.stdout:
+        out += line
+        if "holds" in line or "refused" in line or "failed" in line:
+            break
+    if f"holds {mib} MiB" not in out:
+        p.kill()
+        p.wait()
+        raise AssertionError(f"fill did not get {mib} MiB: {out}{p.stderr.read()}")
+    return p
 
 
 def held_mib(out):
@@ -210,12 +226,8 @@ def test_the_quota_holds_whatever_a_root_tenant_sets(node, engine):
     assert "not in the cgroup" not in node.log()
 
     node.sim.gpusim("reset-peak")
-    holder = c.popen(FILL, 256, 256)
+    holder = hold(c, 256)
     try:
-        line = holder.stdout.readline()
-        while line and "holds" not in line:
-            line = holder.stdout.readline()
-        assert "holds 256 MiB" in line, line
         off, _ = HEADER_OFFSETS["slots_used"]
         zero = f"import os; fd = os.open('/run/vcuda/region/region', os.O_WRONLY); os.pwrite(fd, bytes(4), {off})"
         assert c.exec("python3", "-c", zero).returncode == 0
@@ -239,9 +251,8 @@ def test_a_root_tenant_cannot_see_or_signal_its_neighbour(node, engine):
     container only."""
     victim = start_pod(node, engine, "victim", core=40, memory=8)
     attacker = start_pod(node, engine, "attacker", core=30, memory=4)
-    held = victim.popen(FILL, 256, 256)
+    held = hold(victim, 256)
     try:
-        assert "holds 256 MiB" in held.stdout.readline() + held.stdout.readline()
         victim_host_pids = victim.host_pids()
         assert victim_host_pids, "no process of the victim found on the host"
         seen = attacker.sh("ps -eo comm=").stdout.split()
@@ -282,12 +293,8 @@ def test_the_driver_names_a_containers_process_by_its_host_pid(node, engine):
     host pid through the host pid the manager wrote into the process's slot: here that
     translation meets a real pid namespace."""
     c = start_pod(node, engine, "pids", core=30, memory=4)
-    held = c.popen(FILL, 128, 128)
+    held = hold(c, 128)
     try:
-        line = held.stdout.readline()
-        while line and "holds" not in line:
-            line = held.stdout.readline()
-        assert "holds 128 MiB" in line, line
         inside = c.sh("pgrep -x fill").stdout.split()
         assert len(inside) == 1, inside
         host = c.host_pid_of(int(inside[0]))
