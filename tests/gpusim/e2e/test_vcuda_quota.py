@@ -17,6 +17,8 @@ import shutil
 
 import pytest
 
+from conftest import GPUSIM, LIB, ROOT
+
 from vcuda_common import (
     ALLOC_GRANULE,
     ARRAY_GRANULE,
@@ -478,3 +480,29 @@ def test_an_absurd_size_leaves_the_count_intact(q):
     assert t.info()[0] == t.avail - 100 * MiB
     assert t.sh.rc(f"alloc {t.avail}") == OOM
     t.check_peak()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or __import__("os").geteuid() != 0,
+                    reason="a pid namespace needs unshare and root")
+def test_a_first_context_is_measured_before_the_driver_knows_the_process(sim, cc, tmp_path):
+    """In a container the driver names a process by its host pid, which libvcuda learns only
+    when the manager answers its registration, on a thread of its own: a first context made
+    before that cannot be found in NVML's process list. The library then measures it from
+    the device's free memory before and after; that reading took `cuMemGetInfo`, which has
+    no context to answer from before the first one, so the context was counted at the
+    provisional 512 MiB: a 1 GiB container's first process got 512 MiB instead of 724.
+    Here: a pid namespace, gpusim giving host pids (`gpusim pid-service`), no manager."""
+    import subprocess
+
+    fill = cc(ROOT / "tests" / "demo" / "fill.c", tmp_path / "fill", f"-L{LIB}", "-lcuda")
+    svc = subprocess.Popen([GPUSIM, "pid-service", "--socket", tmp_path / "pid.sock"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert svc.stdout.readline().strip() == "ready"
+        c = sim.container(1024)
+        c.env["GPUSIM_PID_SOCKET"] = str(tmp_path / "pid.sock")
+        p = c.run(["unshare", "--pid", "--fork", "--mount-proc", fill, 64, 100000], stdin=subprocess.DEVNULL)
+    finally:
+        svc.kill()
+        svc.wait()
+    assert f"{1024 - CONTEXT // MiB} MiB free" in p.stdout, p.stdout + p.stderr
+    assert gpu_status(sim)["memory_peak"] <= 1024 * MiB

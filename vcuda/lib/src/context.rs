@@ -191,7 +191,7 @@ fn costed(
     if est > 0 && !v.reserve(dev, est) {
         return refuse_for_quota(v, dev);
     }
-    let free_before = real_free();
+    let free_before = real_free(v, dev);
     let rc = make();
     if rc != CUDA_SUCCESS {
         v.release(dev, est);
@@ -203,7 +203,7 @@ fn costed(
         None => {
             // No per-process figure from NVML: the device's free memory before and after.
             let c = free_before
-                .zip(real_free())
+                .zip(real_free(v, dev))
                 .map_or(est, |(b, a)| b.saturating_sub(a));
             let me = v.me();
             let (_, h) = v.region.mine(me, dev);
@@ -233,7 +233,23 @@ fn costed(
     CUDA_SUCCESS
 }
 
-fn real_free() -> Option<u64> {
+/// The device's free memory, for when NVML does not list this process (yet: in a container
+/// its host pid is unknown until the manager has answered its registration, which runs on a
+/// thread of its own). NVML's device figure first: it needs no current context, and before
+/// a process's first context there is none, so `cuMemGetInfo` failed and the first context
+/// was counted at the provisional 512 MiB instead of what it cost. `cuMemGetInfo` after
+/// that (no NVML).
+fn real_free(v: &Vcuda, dev: usize) -> Option<u64> {
+    if let Some(handle) = crate::nvml::real_handle(v, dev) {
+        let mut m = nvmlMemory_t::default();
+        if ext!(
+            NVML_ERROR_FUNCTION_NOT_FOUND,
+            nvmlDeviceGetMemoryInfo(handle as nvmlDevice_t, &mut m)
+        ) == NVML_SUCCESS
+        {
+            return Some(m.free);
+        }
+    }
     let (mut f, mut t) = (0usize, 0usize);
     (ext!(MISSING, cuMemGetInfo_v2(&mut f, &mut t)) == CUDA_SUCCESS).then_some(f as u64)
 }
