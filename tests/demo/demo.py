@@ -10,10 +10,16 @@ their utilization over the run against their shares, and their memory; pod A ask
 than its quota and is refused; vcuda-smi shows the node as an operator sees it. First, a
 request the contract does not allow is refused with a reason the user reads in
 `kubectl describe pod`.
+
+With --containers each pod is a real container: the Docker engine starts it from the
+Allocate answer (tests/containers/runtime.py plays containerd; images from
+scripts/build-images), and the demo shows one container's `docker inspect` mounts next to
+the answer that produced them.
 """
 
 import json
 import pathlib
+import tomllib
 import subprocess
 import sys
 import tempfile
@@ -25,21 +31,47 @@ sys.path.insert(0, str(HERE.parent / "gpusim" / "e2e"))
 from conftest import Sim  # noqa: E402
 from node_common import CORE, MEMORY, RELEASE, Node  # noqa: E402
 
+sys.path.insert(0, str(HERE.parent / "containers"))
+import runtime  # noqa: E402
+
+
+class DockerPod:
+    """A pod's real container, with the few calls the demo makes of node_common.Container."""
+
+    def __init__(self, pc, bins):
+        self.pc, self.bins = pc, bins
+        cfg = pc.host_path("/etc/vcuda/vcuda.toml")
+        self.config = tomllib.loads(cfg.read_text())
+        self.mounts = {m["container_path"]: m["host_path"] for m in pc.answer["mounts"]}
+
+    def popen(self, args, **_):
+        inside = [f"{runtime.TOOLS_IN_CONTAINER}/{a.name}" if isinstance(a, pathlib.Path) and a.parent == self.bins else a
+                  for a in args]
+        return self.pc.popen(*inside)
+
+    def driver_pid(self, pid):
+        """gpusim, like the driver, names a container's process by its host pid."""
+        return self.pc.host_pid_of(pid)
+
 
 def say(msg):
     print(f"\n\033[1m== {msg}\033[0m", flush=True)
 
 
 def main():
-    bins = pathlib.Path(sys.argv[1])
+    bins = pathlib.Path(sys.argv[1]).resolve()
+    containers = "--containers" in sys.argv[2:]
     work = pathlib.Path(tempfile.mkdtemp(prefix="vcuda-demo."))
     sim = Sim(work)
-    node = Node(sim, work / "node")
+    node = Node(sim, work / "node", proc_root="/proc" if containers else None)
+    engine = None
     procs = []
     try:
         say("kubelet-sim (the kubelet's device manager) and vcuda-manager start; the manager registers two resources")
         t0 = time.monotonic()
         node.start_kubelet().start_manager().wait_registered()
+        if containers:
+            engine = runtime.Engine(sim, image="vcuda/base:bookworm", tools=bins)
         for r in node.status()["resources"]:
             print(f"  {r['name']:24} {len(r['devices']):4} devices, {len(r['healthy'])} healthy  (registered {time.monotonic() - t0:.2f} s after start)")
 
@@ -52,12 +84,21 @@ def main():
         for name, core, mem in (("pod-a", 30, 16), ("pod-b", 70, 32)):
             r = node.admit(name, core=core, memory=mem)
             assert r["admitted"] and r["containers"][0]["start"]["started"], json.dumps(r, indent=1)
-            c = node.container(r, name)
+            c = DockerPod(engine.start(r, node.pod_uid(name)), bins) if engine else node.container(r, name)
             g = c.config["gpu"][0]
             print(f"  {name}: {CORE}={core} {MEMORY}={mem} -> GPU {g['uuid']}: core {g['core']} %, memory {g['memory_mib']} MiB")
             mounts = ", ".join(sorted(c.mounts))
             print(f"         mounts {mounts}")
             pods[name] = c
+        if engine:
+            say("pod A's container as the engine made it: `docker inspect` mounts next to the Allocate answer")
+            pc = pods["pod-a"].pc
+            got = {m["Destination"]: m for m in pc.inspect()["Mounts"]}
+            for m in pc.answer["mounts"]:
+                d = got.get(m["container_path"], {})
+                print(f"  answer {m['container_path']:36} {'ro' if m.get('read_only') else 'rw'}  <- {m['host_path']}")
+                print(f"  docker {d.get('Destination', '(missing)'):36} {'rw' if d.get('RW') else 'ro'}  <- {d.get('Source')}")
+            print(f"  cgroup parent {pc.cgroup_parent}; device nodes not on this machine (no GPU): {', '.join(pc.skipped_devices)}")
 
         say("each pod runs a saturating kernel loop and holds device memory (libvcuda preloaded)")
         loads, fills, loads_p = {}, {}, []
@@ -73,7 +114,11 @@ def main():
             ld = c.popen([bins / "load", "--kernel", "spin_1ms", "--seconds", "7"])
             procs.append(ld)
             loads_p.append(ld)
-            loads[name] = int(ld.stdout.readline().split("=")[1])
+            line = ld.stdout.readline()
+            if not line.startswith("ready pid="):
+                raise SystemExit(f"{name}: the load did not start: {line!r} {ld.stderr.read() if ld.poll() is not None else ''}")
+            pid = int(line.split("=")[1])
+            loads[name] = c.driver_pid(pid) if engine else pid
 
         say("pod A asks for 2 GiB more than it has left: refused with CUDA_ERROR_OUT_OF_MEMORY, the application carries on")
         f = pods["pod-a"].popen([bins / "fill", 2048, 2048], stdin=subprocess.PIPE)
@@ -117,6 +162,8 @@ def main():
                     p.stdin.close()
                 p.kill()
                 p.wait()
+        if engine:
+            engine.close()
         node.close()
 
 
