@@ -66,6 +66,54 @@ def test_host_paths_are_mounted_at_their_own_path():
             assert vm["mountPath"] == v["hostPath"]["path"], vm
 
 
+def pod_container_args(spec, c, relocated, confdir, caps=None, at_own_path=False):
+    """`docker run` arguments for container `c` of the DaemonSet's pod `spec`, as the kubelet
+    would start it: hostPID, user, no_new_privs, read-only root, capabilities (`caps`
+    replaces the added ones), and its volume mounts with hostPath volumes at the test's
+    `relocated` directories (mounted at that same path when `at_own_path`, the manager's
+    case) and configMaps from `confdir`. Returns (args, the configMap's mount path, caps)."""
+    sc = c["securityContext"]
+    args = []
+    if spec.get("hostPID"):
+        args.append("--pid=host")
+    if "runAsUser" in sc:
+        args += ["--user", str(sc["runAsUser"])]
+    if sc.get("allowPrivilegeEscalation") is False:
+        args += ["--security-opt", "no-new-privileges"]
+    if sc.get("readOnlyRootFilesystem"):
+        args.append("--read-only")
+    added = sc["capabilities"].get("add", []) if caps is None else caps
+    for d in sc["capabilities"].get("drop", []):
+        args += ["--cap-drop", d]
+    for a in added:
+        args += ["--cap-add", a]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    config_mount = None
+    for vm in c["volumeMounts"]:
+        v = volumes[vm["name"]]
+        if "hostPath" in v:
+            src = pathlib.Path(relocated[v["hostPath"]["path"]])
+            src.mkdir(parents=True, exist_ok=True)
+            dst = src if at_own_path else pathlib.Path(vm["mountPath"])
+        elif "configMap" in v:
+            src, dst = confdir, pathlib.Path(vm["mountPath"])
+            config_mount = dst
+        else:
+            raise AssertionError(f"a volume kind this test does not know: {v}")
+        args += ["--mount", f"type=bind,src={src},dst={dst}" + (",readonly" if vm.get("readOnly") else "")]
+    return args, config_mount, added
+
+
+def install_library(spec, relocated, confdir):
+    """Run the DaemonSet's init container as the manifest has it: it puts the image's
+    libvcuda.so where every container on the node gets it."""
+    (init,) = spec["initContainers"]
+    args, _, _ = pod_container_args(spec, init, relocated, confdir)
+    p = subprocess.run(["docker", "run", "--rm", "--network", "none", *args, PRODUCT, *init["command"]],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, f"the init container {init['name']} failed: {p.stderr}"
+
+
 class ManagerContainer:
     """vcuda-manager started from the product image the way the kubelet would start the
     DaemonSet's pod on this node."""
@@ -74,26 +122,8 @@ class ManagerContainer:
         self.node = node
         self.name = f"vcuda-manager-{secrets.token_hex(4)}"
         spec, c, data = manifest()
-        sc = c["securityContext"]
-        args = ["run", "--rm", "--name", self.name, "--network", "none"]
-        if spec.get("hostPID"):
-            args.append("--pid=host")
-        if "runAsUser" in sc:
-            args += ["--user", str(sc["runAsUser"])]
-        if sc.get("allowPrivilegeEscalation") is False:
-            args += ["--security-opt", "no-new-privileges"]
-        if sc.get("readOnlyRootFilesystem"):
-            args.append("--read-only")
-        added = sc["capabilities"].get("add", []) if caps is None else caps
-        for d in sc["capabilities"].get("drop", []):
-            args += ["--cap-drop", d]
-        for a in added:
-            args += ["--cap-add", a]
-        self.caps = added
-        # The hostPath volumes, relocated to this test's directories (on both sides).
+        # The hostPath volumes, relocated to this test's directories.
         libdir = node.root / "library"
-        libdir.mkdir(exist_ok=True)
-        (libdir / "libvcuda.so").write_bytes(pathlib.Path(VCUDA_LIB).read_bytes())
         relocated = {
             "/var/lib/kubelet/device-plugins": node.plugin_dir,
             "/var/lib/kubelet/pod-resources": node.pr_socket.parent,
@@ -105,20 +135,9 @@ class ManagerContainer:
         confdir.mkdir(exist_ok=True)
         for k, v in data.items():
             (confdir / k).write_text(v)
-        volumes = {v["name"]: v for v in spec["volumes"]}
-        config_mount = None
-        for vm in c["volumeMounts"]:
-            v = volumes[vm["name"]]
-            if "hostPath" in v:
-                src = pathlib.Path(relocated[v["hostPath"]["path"]])
-                src.mkdir(parents=True, exist_ok=True)
-                dst = src
-            elif "configMap" in v:
-                src, dst = confdir, pathlib.Path(vm["mountPath"])
-                config_mount = dst
-            else:
-                raise AssertionError(f"a volume kind this test does not know: {v}")
-            args += ["--mount", f"type=bind,src={src},dst={dst}" + (",readonly" if vm.get("readOnly") else "")]
+        self.relocated, self.confdir, self.libdir = relocated, confdir, libdir
+        args, config_mount, self.caps = pod_container_args(spec, c, relocated, confdir, caps, at_own_path=True)
+        args = ["run", "--rm", "--name", self.name, "--network", "none", *args]
         for e in c.get("env", []):
             value = e.get("value", "node-1" if e["name"] == "NODE_NAME" else None)
             assert value is not None, f"env {e} is not modelled here"
@@ -139,6 +158,7 @@ class ManagerContainer:
 
     def start(self):
         self.node.sim.status()  # gpusim's state exists before it is mounted (the driver is loaded)
+        install_library(manifest()[0], self.relocated, self.confdir)
         self.proc = subprocess.Popen(["docker", *self.args], stdout=subprocess.DEVNULL,
                                      stderr=open(self.node.manager_log, "a"))
         self.node.manager = self.proc
@@ -270,3 +290,28 @@ def test_each_capability_the_daemonset_adds_is_needed(node, bins, tools):
     killed, _, _ = run_the_node(node, bins, tools, caps=[])
     assert not killed, "the bypass was killed without CAP_KILL: the manifest would not need it"
     assert "watchdog: cannot kill" in node.log()
+
+
+def test_the_init_container_installs_the_shipped_library_without_touching_a_mapped_one(product, tmp_path):
+    """What every tenant container preloads comes from the product image, through the
+    DaemonSet's init container: it must be the glibc-2.17 build (byte for byte the one
+    scripts/build-portable made and tests/portable checks), installed by a user that may
+    write the host directory. And on an upgrade it must not rewrite the file in place:
+    every running container has it mapped, and a truncate-and-write under a mapping crashes
+    the process. Before: plain `cp` as the image's user (65532), which could not write the
+    root-owned directory at all, and would have rewritten the file in place as root."""
+    spec, _, data = manifest()
+    libdir = tmp_path / "lib64"
+    relocated = {"/usr/local/vcuda/lib64": libdir}
+    install_library(spec, relocated, tmp_path)
+    lib = libdir / "libvcuda.so"
+    assert lib.read_bytes() == pathlib.Path(VCUDA_LIB).read_bytes(), "the image ships another library than the portable build"
+    with open(lib, "rb") as mapped:  # a running container's view of the old file
+        before = os.fstat(mapped.fileno())
+        head = mapped.read(4096)
+        install_library(spec, relocated, tmp_path)  # the upgrade
+        assert os.stat(lib).st_ino != before.st_ino, "the library was rewritten in place"
+        assert os.fstat(mapped.fileno()).st_size == before.st_size
+        mapped.seek(0)
+        assert mapped.read(4096) == head
+    assert sorted(p.name for p in libdir.iterdir()) == ["libvcuda.so"], "a temporary file was left behind"
