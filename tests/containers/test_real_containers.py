@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gpusim" / "e2e"))
 sys.path.insert(0, str(ROOT / "tests" / "containers"))
 
 from conftest import Sim, cc, gpusim_built  # noqa: E402,F401  (fixtures)
-from node_common import Node, bins, wait_for  # noqa: E402,F401  (bins: a fixture)
+from node_common import Node, bins, holding, wait_for  # noqa: E402,F401  (bins: a fixture)
 from vcuda_common import HEADER_OFFSETS  # noqa: E402
 import runtime  # noqa: E402
 
@@ -124,19 +124,8 @@ def fill_registered(node, c, step, most, env=None, program=FILL):
 
 
 def hold(c, mib):
-    """Start `fill MIB MIB` in container `c` and return it once it holds `mib` MiB (it holds
-    them until its stdin closes); fails with what it said otherwise."""
-    p = c.popen(FILL, mib, mib)
-    out = ""
-    for line in p.stdout:
-        out += line
-        if "holds" in line or "refused" in line or "failed" in line:
-            break
-    if f"holds {mib} MiB" not in out:
-        p.kill()
-        p.wait()
-        raise AssertionError(f"fill did not get {mib} MiB: {out}{p.stderr.read()}")
-    return p
+    """`fill MIB MIB` in container `c`, once it holds `mib` MiB (until its stdin closes)."""
+    return holding(c.popen(FILL, mib, mib), mib)
 
 
 def held_mib(out):

@@ -255,22 +255,27 @@ class Container:
     def hold(self, fill, mib):
         """Run `fill` holding `mib` MiB of device memory until its stdin closes; returns the
         process once it says it holds them (fails, with its output, if it does not)."""
-        p = self.popen([fill, mib, mib], stdin=subprocess.PIPE)
-        out = ""
-        for line in p.stdout:
-            out += line
-            if "holds" in line or "failed" in line or "refused" in line:
-                break
-        if f"holds {mib} MiB" not in out:
-            p.kill()
-            _, err = p.communicate(timeout=30)
-            raise AssertionError(f"fill did not get {mib} MiB:\n{out}{err}")
-        return p
+        return holding(self.popen([fill, mib, mib], stdin=subprocess.PIPE), mib)
 
     def run(self, args, timeout=60):
         p = self.popen(args)
         out, err = p.communicate(timeout=timeout)
         return p.returncode, out, err
+
+
+def holding(p, mib):
+    """`p`, a `fill` started with stdin and stdout piped, once it says it holds `mib` MiB
+    (it holds them until its stdin closes); killed, and its output raised, if it does not."""
+    out = ""
+    for line in p.stdout:
+        out += line
+        if "holds" in line or "failed" in line or "refused" in line:
+            break
+    if f"holds {mib} MiB" not in out:
+        p.kill()
+        _, err = p.communicate(timeout=30)
+        raise AssertionError(f"fill did not get {mib} MiB:\n{out}{err}")
+    return p
 
 
 def wait_for(what, pred, timeout=10.0, step=0.05):
