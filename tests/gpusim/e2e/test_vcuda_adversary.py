@@ -6,15 +6,18 @@ The storm: 20 000 launches of 1 µs teach the estimate "a launch costs 1 µs", t
 kernels fill the launch queue with a thousand times what they paid. Before the ledger a
 20 % tenant averaged 36 % over the 10 s from its first launch with NVML's 1/6 s samples and
 71 % with 1 s samples. The ledger charges what NVML measured running unpaid as debt the
-bucket repays, so over 10 s the tenant gets its share.
+bucket repays, and markers (events on the slow path) bound the queue and charge a window
+that ran far longer than it paid as soon as the GPU reaches it, so over 10 s the tenant
+gets its share. The same holds for kernel lengths switching 1000x every half second, and
+for two processes of one container switching out of phase.
 
 Tolerance: share + 2 pp over the 10 s from the first launch (issue 12, point 1), with NVML's
-usual 1/6 s samples. Not asserted yet, and why (scripts/bench-limiter's adversarial table
-shows them): the worst 1 s window (the queue the storm filled runs at full speed until NVML
-shows it, up to a period later; bounding it needs the slow path's markers, which the model
-in vcuda-limiter has and libvcuda not yet), and 1 s samples (by the time the first sample
-shows the storm, about 2 s of work has run at a 20 % share, which the rest of the 10 s can
-only just repay: 19-33 % in runs of this test).
+usual 1/6 s samples; and not starved (share - 6 pp: the patterns' switches cost them some
+of it). Not asserted yet, and why (scripts/bench-limiter's adversarial table shows them):
+the worst 1 s window (markers charge a window only once the GPU has run it, and do not
+raise the price of a launch, which starved phased workloads; storms and switches still
+reach +5 to +18 pp in some windows), and 1 s samples (within a few points of the share
+over 10 s: 17-23 % at 20 % in runs of the bench).
 """
 
 import pathlib
@@ -57,3 +60,27 @@ def test_a_storm_of_tiny_kernels_buys_no_more_than_the_share_over_10s(tmp_path, 
         f"a {SHARE} % tenant's storm got {avg:.1f} % of the GPU over 10 s (NVML period {period_us} µs)")
     # And the ledger does not starve it: it still gets most of its share.
     assert avg >= SHARE - 5, f"the storm got {avg:.1f} % of a {SHARE} % share"
+
+
+@pytest.mark.parametrize("pattern", [
+    ("switch", [["--mode", "switch"]]),
+    ("opposite", [["--mode", "switch"], ["--mode", "switch", "--invert"]]),
+], ids=lambda p: p[0])
+def test_kernel_lengths_switching_1000x_buy_no_more_than_the_share_over_10s(tmp_path, adversary, pattern):
+    name, procs = pattern
+    period_us = 166_667
+    m = Machine(tmp_path / "m", 1, adversary, sample_period_us=period_us, wave_ns=1000)
+    try:
+        c = m.tenant(0, name, core=SHARE)
+        c.env["LD_PRELOAD"] = str(VCUDA_LIB)
+        m.sample(0.2)
+        loads = [m.spawn(c, 0, [*args, "--seconds", str(SECONDS)]) for args in procs]
+        for ld in loads:
+            ld.wait(timeout=SECONDS + 30)
+    finally:
+        m.stop()
+    t0 = loads[0].t0
+    avg = sum(m.util(0, ld.pid, t0, t0 + 10.0) for ld in loads) * 100  # % over 10 s
+    assert avg <= SHARE + SLACK_PP, (
+        f"a {SHARE} % container switching kernel lengths ({name}) got {avg:.1f} % of the GPU over 10 s")
+    assert avg >= SHARE - 6, f"{name} got {avg:.1f} % of a {SHARE} % share"

@@ -410,10 +410,32 @@ fn after_teardown(v: &Vcuda) {
     remeasure_all(v);
 }
 
-fn teardown(rc: CUresult) -> CUresult {
+/// What a successful teardown took away.
+#[derive(Clone, Copy)]
+enum Gone {
+    Ctx(CUcontext),
+    /// A device's primary context was released (perhaps destroyed) or reset.
+    Primary(CUdevice),
+}
+
+fn teardown(rc: CUresult, gone: Gone) -> CUresult {
     if rc == CUDA_SUCCESS {
         if let Ok(v) = cuda() {
             crate::limit::forget_probes(v);
+            match gone {
+                Gone::Ctx(ctx) => crate::limit::forget_markers(v, Some(ctx), None),
+                Gone::Primary(dev) => {
+                    let (mut flags, mut active): (c_uint, c_int) = (0, 0);
+                    let alive = ext!(
+                        MISSING,
+                        cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active)
+                    ) == CUDA_SUCCESS
+                        && active != 0;
+                    if !alive {
+                        crate::limit::forget_markers(v, None, Some(dev));
+                    }
+                }
+            }
             after_teardown(v);
         }
     }
@@ -421,11 +443,11 @@ fn teardown(rc: CUresult) -> CUresult {
 }
 
 unsafe fn ctx_destroy(ctx: CUcontext) -> CUresult {
-    teardown(forward!(MISSING, cuCtxDestroy(ctx)))
+    teardown(forward!(MISSING, cuCtxDestroy(ctx)), Gone::Ctx(ctx))
 }
 
 unsafe fn ctx_destroy_v2(ctx: CUcontext) -> CUresult {
-    teardown(forward!(MISSING, cuCtxDestroy_v2(ctx)))
+    teardown(forward!(MISSING, cuCtxDestroy_v2(ctx)), Gone::Ctx(ctx))
 }
 
 unsafe fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
@@ -443,19 +465,31 @@ unsafe fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
 }
 
 unsafe fn primary_release(dev: CUdevice) -> CUresult {
-    teardown(forward!(MISSING, cuDevicePrimaryCtxRelease(dev)))
+    teardown(
+        forward!(MISSING, cuDevicePrimaryCtxRelease(dev)),
+        Gone::Primary(dev),
+    )
 }
 
 unsafe fn primary_release_v2(dev: CUdevice) -> CUresult {
-    teardown(forward!(MISSING, cuDevicePrimaryCtxRelease_v2(dev)))
+    teardown(
+        forward!(MISSING, cuDevicePrimaryCtxRelease_v2(dev)),
+        Gone::Primary(dev),
+    )
 }
 
 unsafe fn primary_reset(dev: CUdevice) -> CUresult {
-    teardown(forward!(MISSING, cuDevicePrimaryCtxReset(dev)))
+    teardown(
+        forward!(MISSING, cuDevicePrimaryCtxReset(dev)),
+        Gone::Primary(dev),
+    )
 }
 
 unsafe fn primary_reset_v2(dev: CUdevice) -> CUresult {
-    teardown(forward!(MISSING, cuDevicePrimaryCtxReset_v2(dev)))
+    teardown(
+        forward!(MISSING, cuDevicePrimaryCtxReset_v2(dev)),
+        Gone::Primary(dev),
+    )
 }
 
 /// Limits (heap, printf FIFO, stack) make the driver reserve memory: measure it, and put the

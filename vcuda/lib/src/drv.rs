@@ -7,6 +7,7 @@ use crate::ffi::*;
 
 externs! {
     Cuda fn cuCtxGetDevice(*mut CUdevice) -> CUresult;
+    Cuda fn cuCtxGetCurrent(*mut CUcontext) -> CUresult;
     Cuda fn cuDeviceGetCount(*mut c_int) -> CUresult;
     Cuda fn cuDeviceGetUuid_v2(*mut CUuuid, CUdevice) -> CUresult;
     Cuda fn cuDeviceGetUuid(*mut CUuuid, CUdevice) -> CUresult;

@@ -25,6 +25,10 @@
 //! - `waits`: launches that had to wait (the controller reads it as "hungry");
 //! - `waiting`: what launches still waiting have been charged (not yet paid for work that
 //!   can run, so the calibration leaves it out);
+//! - `debts`: every debt charged to the bucket so far (the ledger's, less its refunds, and
+//!   the markers'), so what launches paid = paid - debts;
+//! - `others`: the fraction of the device other processes used in the newest NVML sample,
+//!   ppm (the markers read it);
 //!   Launches admitted before their cost is known (arming and running the probe) are charged
 //!   what the probe measures once it has.
 
@@ -84,6 +88,8 @@ pub struct Bucket {
     refilled: AtomicU64,
     waits: AtomicU64,
     waiting: AtomicI64,
+    debts: AtomicI64,
+    others: AtomicU64,
 }
 
 /// The first-launch probe of one GPU and class: device time of one launch, timed with
@@ -116,8 +122,11 @@ pub struct Limiter {
     gpus: [Bucket; MAX_GPUS],
     /// Probe states; taken only on the slow path.
     probes: Mutex<[[Probe; CLASSES]; MAX_GPUS]>,
-    /// A probe's measurement (ns) for the controller to take over, 0 = none.
+    /// A probe's (or a marker window's) measurement (ns) for the controller to take over,
+    /// 0 = none.
     probed: [[AtomicU64; CLASSES]; MAX_GPUS],
+    /// Markers per GPU; taken only on the slow path, never held while sleeping.
+    markers: Mutex<[MarkerSet; MAX_GPUS]>,
 }
 
 impl Limiter {
@@ -127,6 +136,7 @@ impl Limiter {
             gpus: Default::default(),
             probes: Mutex::new([[Probe::Idle; CLASSES]; MAX_GPUS]),
             probed: Default::default(),
+            markers: Mutex::new(Default::default()),
         };
         for (dev, &core) in cores.iter().enumerate().take(MAX_GPUS) {
             let b = &l.gpus[dev];
@@ -149,8 +159,13 @@ impl Limiter {
             b.refilled.store(0, Relaxed);
             b.waits.store(0, Relaxed);
             b.waiting.store(0, Relaxed);
+            b.debts.store(0, Relaxed);
         }
         *self.probes.lock() = [[Probe::Idle; CLASSES]; MAX_GPUS];
+        // The parent's events are not the child's to use or destroy.
+        for m in self.markers.lock().iter_mut() {
+            m.forget();
+        }
     }
 }
 
@@ -221,6 +236,13 @@ fn admit_on(
     slow(v, dev, class, cost, stream, probe)
 }
 
+/// Most the bucket holds at `rate` ([`lim::marker_capacity`]: few enough launches that the
+/// slow path, where markers bound the queue, comes at least every
+/// [`lim::MARKER_LAUNCHES`]).
+fn capacity(b: &Bucket, rate: u64) -> i64 {
+    lim::marker_capacity(b.cost[KERNEL].load(Relaxed), rate)
+}
+
 /// Add what the clock earned since the last refill (one thread wins the CAS and adds).
 fn refill(b: &Bucket, now: u64) {
     let last = b.last_refill.load(Relaxed);
@@ -237,7 +259,7 @@ fn refill(b: &Bucket, now: u64) {
         return;
     }
     let rate = b.rate.load(Relaxed);
-    let cap = lim::capacity(b.cost[KERNEL].load(Relaxed), rate);
+    let cap = capacity(b, rate);
     let mut added = 0;
     let _ = b.tokens.fetch_update(Relaxed, Relaxed, |t| {
         let (n, a) = lim::refill(t, now - last, rate, cap);
@@ -266,7 +288,9 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
     b.waiting.fetch_add(cost as i64, Relaxed);
     let entered = mono_ns();
     let mut waited = false;
-    let mut slept = false;
+    // Markers the GPU reached are charged first (what ran unpaid is owed before this launch
+    // is admitted), and while two are pending the launch waits for the oldest.
+    let mut slept = pass_markers(v, dev, class, stream, entered);
     let mut cost = cost;
     let left = loop {
         let now = mono_ns();
@@ -298,7 +322,7 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
         // Sleep until half the bucket is earned, not just this launch: each wake-up then
         // admits many launches (what a throttled process burns is its wake-ups).
         let rate = b.rate.load(Relaxed);
-        let want = (1 - bal).max(lim::capacity(cost, rate) / 2);
+        let want = (1 - bal).max(capacity(b, rate) / 2);
         let ns = lim::wait_ns(want, rate).min(MAX_SLEEP_NS);
         slept = true;
         std::thread::sleep(Duration::from_nanos(ns));
@@ -456,6 +480,204 @@ pub fn forget_probes(v: &Vcuda) {
     for p in probes.iter_mut().flatten() {
         if let Probe::Pending { free, .. } = *p {
             *p = Probe::Armed { free };
+        }
+    }
+}
+
+// ---- markers -----------------------------------------------------------------------------
+
+/// Longest a throttled launch waits for the GPU to reach the oldest pending marker before
+/// giving that marker up: its stream may be waiting for the host (for this very thread, say,
+/// to write what a `cuStreamWaitValue32` waits for), and a launch must never deadlock.
+const MARKER_PATIENCE_NS: u64 = 500_000_000;
+/// First and longest nap while waiting for a marker (the nap doubles: few wake-ups).
+const MARKER_NAP_NS: (u64, u64) = (500_000, 20_000_000);
+
+/// A marker's event and where it was recorded.
+#[derive(Clone, Copy)]
+struct Mark {
+    event: usize,
+    stream: usize,
+}
+
+/// What reaching markers showed: device time that ran unpaid, to charge now.
+#[derive(Default)]
+struct Reached {
+    debt_ns: f64,
+}
+
+/// The markers of one GPU: the maths ([`lim::Markers`]) and their events, which belong to
+/// one context. Owned by [`Limiter::markers`]; every event it created is destroyed by it
+/// (`clear`) or went with its context (`forget`).
+#[derive(Default)]
+struct MarkerSet {
+    maths: lim::Markers,
+    /// The pending markers' events, oldest first (the maths' pending, one for one).
+    pending: std::collections::VecDeque<Mark>,
+    /// The newest marker the GPU reached: the next window is timed from it.
+    done: Option<Mark>,
+    /// Events to record again (recording an event again is allowed).
+    spare: Vec<usize>,
+    /// The context the events belong to (0: none yet), and its device.
+    ctx: usize,
+}
+
+impl MarkerSet {
+    /// Take every marker the GPU reached, oldest first, from the pending ones.
+    fn reap(&mut self, others: f64) -> Reached {
+        let mut r = Reached::default();
+        while let Some(&m) = self.pending.front() {
+            match ext!(MISSING, cuEventQuery(m.event as CUevent)) {
+                CUDA_SUCCESS => self.reached(m, others, &mut r),
+                CUDA_ERROR_NOT_READY => break,
+                _ => self.give_up_oldest(),
+            }
+        }
+        r
+    }
+
+    /// The oldest pending marker `m` was reached.
+    fn reached(&mut self, m: Mark, others: f64, r: &mut Reached) {
+        self.pending.pop_front();
+        // Only a window between two markers of one stream is device time in order.
+        let elapsed = self.done.filter(|d| d.stream == m.stream).and_then(|d| {
+            let mut ms: f32 = 0.0;
+            (ext!(
+                MISSING,
+                cuEventElapsedTime(&mut ms, d.event as CUevent, m.event as CUevent)
+            ) == CUDA_SUCCESS)
+                .then_some(f64::from(ms) * 1e6)
+        });
+        if let Some(u) = self.maths.reached(elapsed, others) {
+            r.debt_ns += u.debt_ns;
+        }
+        if let Some(d) = self.done.replace(m) {
+            self.spare.push(d.event);
+        }
+    }
+
+    /// The oldest pending marker is not coming (its stream waits, or its event failed):
+    /// forget it; the next window is not timed.
+    fn give_up_oldest(&mut self) {
+        if let Some(m) = self.pending.pop_front() {
+            self.maths.reached(None, 0.0);
+            destroy_events(m.event as CUevent, std::ptr::null_mut());
+            if let Some(d) = self.done.take() {
+                self.spare.push(d.event);
+            }
+        }
+    }
+
+    /// Record a marker on `stream` in the current context `ctx` at host time `now`: `paid`
+    /// the paid total (debts left out), `cost` the estimate in force.
+    fn record(&mut self, ctx: usize, stream: CUstream, paid: f64, cost: f64, now: u64) {
+        if ctx != self.ctx {
+            // Another context: its events cannot be recorded here. Start over in this one.
+            self.clear();
+            self.ctx = ctx;
+        }
+        let event = match self.spare.pop() {
+            Some(e) => e as CUevent,
+            None => {
+                let mut e: CUevent = std::ptr::null_mut();
+                if ext!(MISSING, cuEventCreate(&mut e, CU_EVENT_DEFAULT)) != CUDA_SUCCESS {
+                    return;
+                }
+                e
+            }
+        };
+        if ext!(MISSING, cuEventRecord(event, stream)) != CUDA_SUCCESS {
+            destroy_events(event, std::ptr::null_mut());
+            return;
+        }
+        // Asked after recording: if the GPU has not reached the previous marker yet, all
+        // of the time between the two will be queued work, not the GPU waiting for us.
+        let behind = self.pending.back().is_some_and(|p| {
+            p.stream == stream as usize
+                && ext!(MISSING, cuEventQuery(p.event as CUevent)) == CUDA_ERROR_NOT_READY
+        });
+        self.maths.recorded_behind(paid, cost, now as f64, behind);
+        self.pending.push_back(Mark {
+            event: event as usize,
+            stream: stream as usize,
+        });
+    }
+
+    /// Destroy every event (their context is alive) and start over.
+    fn clear(&mut self) {
+        let events = self.pending.iter().chain(self.done.iter()).map(|m| m.event);
+        for e in events.chain(self.spare.iter().copied()) {
+            destroy_events(e as CUevent, std::ptr::null_mut());
+        }
+        self.forget();
+    }
+
+    /// Start over without touching the events (they went with their context, or belong to
+    /// a parent process).
+    fn forget(&mut self) {
+        *self = MarkerSet::default();
+    }
+}
+
+/// When a launch on `dev` finds the bucket empty: charge what markers the GPU reached show
+/// ran unpaid; while [`lim::MAX_PENDING_MARKERS`] are pending, wait (napping) for the
+/// oldest, giving it up after [`MARKER_PATIENCE_NS`]; then record a marker in the launch's
+/// stream, at the end of the launches admitted since the last one (so the host's time
+/// between the two is the time it took to queue them, not a sleep). Returns whether it
+/// slept.
+fn pass_markers(v: &Vcuda, dev: usize, class: usize, stream: CUstream, entered: u64) -> bool {
+    let b = &v.limiter.gpus[dev];
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    if ext!(MISSING, cuCtxGetCurrent(&mut ctx)) != CUDA_SUCCESS || ctx.is_null() {
+        return false;
+    }
+    let others = b.others.load(Relaxed) as f64 / lim::PPM as f64;
+    let mut nap = MARKER_NAP_NS.0;
+    let mut slept = false;
+    loop {
+        let mut sets = v.limiter.markers.lock();
+        let set = &mut sets[dev];
+        let r = set.reap(others);
+        if r.debt_ns > 0.0 {
+            let d = r.debt_ns as i64;
+            b.tokens.fetch_sub(d, Relaxed);
+            b.debts.fetch_add(d, Relaxed);
+            log!(
+                DEBUG,
+                "GPU {dev}: a marker window ran {d} ns of device time unpaid; charged"
+            );
+        }
+        let now = mono_ns();
+        if !set.maths.may_admit() && now.saturating_sub(entered) >= MARKER_PATIENCE_NS {
+            log!(
+                DEBUG,
+                "GPU {dev}: the GPU did not reach a marker in {} ms; giving it up",
+                MARKER_PATIENCE_NS / 1_000_000
+            );
+            set.give_up_oldest();
+        }
+        if set.maths.may_admit() {
+            let paid = launches_paid(paid_total(b), b.debts.load(Relaxed)) as f64;
+            let cost = b.cost[class].load(Relaxed) as f64;
+            set.record(ctx as usize, stream, paid, cost, now);
+            return slept;
+        }
+        drop(sets);
+        std::thread::sleep(Duration::from_nanos(nap));
+        slept = true;
+        nap = (nap * 2).min(MARKER_NAP_NS.1);
+    }
+}
+
+/// Contexts went away: the markers whose events went with them start over. `ctx`: that
+/// context was destroyed; `ordinal`: that device's primary context was released or reset
+/// (and is inactive now, so any context of the device may have been it: its markers start
+/// over, leaking at most a few events of another context still alive).
+pub fn forget_markers(v: &Vcuda, ctx: Option<CUcontext>, ordinal: Option<CUdevice>) {
+    let dev = ordinal.and_then(|o| v.dev_of_ordinal(o));
+    for (i, set) in v.limiter.markers.lock().iter_mut().enumerate() {
+        if ctx.is_some_and(|c| c as usize == set.ctx) || dev == Some(i) {
+            set.forget();
         }
     }
 }
@@ -680,10 +902,6 @@ struct GpuCtl {
     /// Whether NVML has ever shown a sample with this process's pid. Until it has, samples
     /// without it prove nothing (the pid may be from another namespace), so none are used.
     pid_seen: bool,
-    /// The ledger (issue 12): every debt charged to the bucket so far, ns (refunds
-    /// subtracted). NVML's measured device time minus what launches paid is owed, whatever
-    /// the estimate said a launch cost.
-    charged: i64,
 }
 
 impl GpuCtl {
@@ -699,7 +917,6 @@ impl GpuCtl {
             elastic_rate: 0,
             exclusive: false,
             pid_seen: false,
-            charged: 0,
         }
     }
 }
@@ -797,9 +1014,12 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
         c.graph_cost = gp as f64;
     }
     // The calibration and the ledger count what launches paid, debts left out.
+    // The ledger (issue 12): NVML's measured device time minus what launches paid is owed,
+    // whatever the estimate said a launch cost; `debts` holds every debt charged so far.
     let t_us = wall_us();
-    c.cal.record_paid(t_us, launches_paid(paid, c.charged));
-    c.cal.record_debt(t_us, c.charged as f64);
+    let debts = b.debts.load(Relaxed);
+    c.cal.record_paid(t_us, launches_paid(paid, debts));
+    c.cal.record_debt(t_us, debts as f64);
 
     // NVML: this process's samples feed the calibration; everyone's, the elastic share.
     let (share_p, limit_p) = (lim::split(share, active), lim::split(limit, active));
@@ -824,6 +1044,10 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
 
     // The rate: the share, or for an elastic container something between share and limit.
     let waits = b.waits.load(Relaxed);
+    if let Some((others, _)) = newest {
+        b.others
+            .store((others.clamp(0.0, 1.0) * lim::PPM as f64) as u64, Relaxed);
+    }
     let rate = if limit_p > share_p {
         if let Some((others, own)) = newest {
             c.elastic_rate = lim::elastic_rate(
@@ -853,16 +1077,29 @@ fn launches_paid(paid: u64, charged: i64) -> u64 {
 /// unpaid beyond what was charged, or refund a charge NVML did not confirm
 /// (`Calibrator::settle`).
 fn settle(b: &Bucket, c: &mut GpuCtl, dev: usize) {
-    let d = c.cal.settle(c.charged as f64);
-    if d != 0 {
+    let mut d = c.cal.settle(b.debts.load(Relaxed) as f64);
+    if d < 0 {
+        // A refund fills the bucket no further than a refill may: refunded time is still
+        // time this process may use only at its rate (an unbounded refund admitted a
+        // second of work at once, queued past every marker). What does not fit is not
+        // refunded, and stays charged.
+        let cap = capacity(b, b.rate.load(Relaxed));
+        let mut applied = 0;
+        let _ = b.tokens.fetch_update(Relaxed, Relaxed, |t| {
+            applied = (-d).min(cap.saturating_sub(t)).max(0);
+            (applied > 0).then_some(t + applied)
+        });
+        d = -applied;
+    } else if d > 0 {
         b.tokens.fetch_sub(d, Relaxed);
-        c.charged += d;
+    }
+    if d != 0 {
+        let all = b.debts.fetch_add(d, Relaxed) + d;
         log!(
             DEBUG,
-            "GPU {dev}: ledger {} {} ns of device time (charged in all {} ns)",
+            "GPU {dev}: ledger {} {} ns of device time (charged in all {all} ns)",
             if d > 0 { "charges" } else { "refunds" },
             d.unsigned_abs(),
-            c.charged
         );
     }
 }
