@@ -6,7 +6,8 @@
 //! **Hot path** (a launch under its share): one relaxed load of the launch's cost, one
 //! relaxed `fetch_sub` on this process's bucket. No lock, no system call, no allocation, and
 //! nothing shared with other processes. A launch that finds the bucket empty takes the slow
-//! path: refill from the clock, and sleep (never spin) until the debt is repaid and half the
+//! path: act on the markers the GPU reached and record one (see "markers" below), refill
+//! from the clock, and sleep (never spin) until the debt is repaid and three quarters of the
 //! bucket is earned (few wake-ups: the CPU a throttled process costs); a launch
 //! that slept adds the time it waited to the region's `throttled_ns` for its GPU (one
 //! relaxed `fetch_add` on the container's shared line, only on this path).
@@ -290,7 +291,8 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
     let mut waited = false;
     // Markers the GPU reached are charged first (what ran unpaid is owed before this launch
     // is admitted), and while two are pending the launch waits for the oldest.
-    let mut slept = pass_markers(v, dev, class, stream, entered);
+    let ctx = current_ctx();
+    let mut slept = ctx.is_some_and(|ctx| pass_markers(v, dev, ctx, class, stream, entered));
     let mut cost = cost;
     let left = loop {
         let now = mono_ns();
@@ -319,14 +321,19 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
             b.waits.fetch_add(1, Relaxed);
             waited = true;
         }
-        // Sleep until half the bucket is earned, not just this launch: each wake-up then
-        // admits many launches (what a throttled process burns is its wake-ups).
+        // Sleep until three quarters of the bucket is earned, not just this launch: each
+        // wake-up then admits many launches (what a throttled process burns is its
+        // wake-ups, and each reads its markers), and a quarter is left to oversleep into
+        // without losing earnings to the cap (a 90 % tenant keeps its queue fed).
         let rate = b.rate.load(Relaxed);
-        let want = (1 - bal).max(capacity(b, rate) / 2);
+        let want = (1 - bal).max(capacity(b, rate) / 4 * 3);
         let ns = lim::wait_ns(want, rate).min(MAX_SLEEP_NS);
         slept = true;
         std::thread::sleep(Duration::from_nanos(ns));
     };
+    if let Some(ctx) = ctx {
+        open_marker(v, dev, ctx, class, stream);
+    }
     b.waiting.fetch_sub(cost as i64, Relaxed);
     if slept {
         // The time actually slept (oversleeping included), from the readings the loop took
@@ -498,12 +505,32 @@ const MARKER_NAP_NS: (u64, u64) = (500_000, 20_000_000);
 struct Mark {
     event: usize,
     stream: usize,
+    /// The launch class of the slow path that recorded it.
+    class: usize,
 }
 
-/// What reaching markers showed: device time that ran unpaid, to charge now.
+/// After another stream was seen on the slow path, windows prove nothing for this long: a
+/// window holds its own stream's launches and whatever other streams ran meanwhile, which
+/// may have been paid before it.
+const MIXED_STREAMS_NS: u64 = 1_000_000_000;
+
+/// When a marker was recorded: the paid total (debts left out), the price in force, and
+/// the host clock (monotonic ns).
+#[derive(Clone, Copy)]
+struct Stamp {
+    paid: f64,
+    cost: f64,
+    now: u64,
+}
+
+/// What reaching markers showed: device time that ran unpaid, to charge now, and what a
+/// kernel launch costs at least (`raise`) or at most (`lower`) by windows of kernel
+/// launches (0: nothing shown).
 #[derive(Default)]
 struct Reached {
     debt_ns: f64,
+    raise: f64,
+    lower: f64,
 }
 
 /// The markers of one GPU: the maths ([`lim::Markers`]) and their events, which belong to
@@ -518,8 +545,10 @@ struct MarkerSet {
     done: Option<Mark>,
     /// Events to record again (recording an event again is allowed).
     spare: Vec<usize>,
-    /// The context the events belong to (0: none yet), and its device.
+    /// The context the events belong to (0: none yet).
     ctx: usize,
+    /// Until when (monotonic ns) windows prove nothing ([`MIXED_STREAMS_NS`]).
+    mixed_until: u64,
 }
 
 impl MarkerSet {
@@ -548,9 +577,29 @@ impl MarkerSet {
             ) == CUDA_SUCCESS)
                 .then_some(f64::from(ms) * 1e6)
         });
-        if let Some(u) = self.maths.reached(elapsed, others) {
-            r.debt_ns += u.debt_ns;
+        let kernels = m.class == KERNEL && self.done.is_some_and(|d| d.class == KERNEL);
+        let verdict = self.maths.reached(elapsed, others);
+        // With several streams, a window also holds other streams' work paid before it.
+        if mono_ns() < self.mixed_until {
+            return self.passed(m);
         }
+        match verdict {
+            Some(lim::Verdict::Underpaid(u)) => {
+                r.debt_ns += u.debt_ns;
+                if kernels {
+                    r.raise = r.raise.max(u.per_launch_ns);
+                }
+            }
+            Some(lim::Verdict::Overpaid { per_launch_ns }) if kernels => {
+                r.lower = per_launch_ns;
+            }
+            _ => {}
+        }
+        self.passed(m);
+    }
+
+    /// `m` is the newest marker reached.
+    fn passed(&mut self, m: Mark) {
         if let Some(d) = self.done.replace(m) {
             self.spare.push(d.event);
         }
@@ -568,9 +617,10 @@ impl MarkerSet {
         }
     }
 
-    /// Record a marker on `stream` in the current context `ctx` at host time `now`: `paid`
-    /// the paid total (debts left out), `cost` the estimate in force.
-    fn record(&mut self, ctx: usize, stream: CUstream, paid: f64, cost: f64, now: u64) {
+    /// Record a marker on `stream` in the current context `ctx`, stamped `at`; `ask`:
+    /// whether to ask if the GPU is still behind the previous marker.
+    fn record(&mut self, ctx: usize, stream: CUstream, class: usize, at: Stamp, ask: bool) {
+        let Stamp { paid, cost, now } = at;
         if ctx != self.ctx {
             // Another context: its events cannot be recorded here. Start over in this one.
             self.clear();
@@ -593,13 +643,18 @@ impl MarkerSet {
         // Asked after recording: if the GPU has not reached the previous marker yet, all
         // of the time between the two will be queued work, not the GPU waiting for us.
         let behind = self.pending.back().is_some_and(|p| {
-            p.stream == stream as usize
+            ask && p.stream == stream as usize
                 && ext!(MISSING, cuEventQuery(p.event as CUevent)) == CUDA_ERROR_NOT_READY
         });
+        let last = self.pending.back().or(self.done.as_ref());
+        if last.is_some_and(|l| l.stream != stream as usize) {
+            self.mixed_until = now + MIXED_STREAMS_NS;
+        }
         self.maths.recorded_behind(paid, cost, now as f64, behind);
         self.pending.push_back(Mark {
             event: event as usize,
             stream: stream as usize,
+            class,
         });
     }
 
@@ -619,18 +674,22 @@ impl MarkerSet {
     }
 }
 
-/// When a launch on `dev` finds the bucket empty: charge what markers the GPU reached show
-/// ran unpaid; while [`lim::MAX_PENDING_MARKERS`] are pending, wait (napping) for the
+/// When a launch on `dev` finds the bucket empty: act on what the markers the GPU reached
+/// proved (charge what ran unpaid, price a kernel launch at least or at most as their
+/// windows say); while [`lim::MAX_PENDING_MARKERS`] are pending, wait (napping) for the
 /// oldest, giving it up after [`MARKER_PATIENCE_NS`]; then record a marker in the launch's
-/// stream, at the end of the launches admitted since the last one (so the host's time
-/// between the two is the time it took to queue them, not a sleep). Returns whether it
-/// slept.
-fn pass_markers(v: &Vcuda, dev: usize, class: usize, stream: CUstream, entered: u64) -> bool {
+/// stream that closes the launches admitted since the slow path last let one through
+/// ([`open_marker`] opened them), so the window times them and not this path's sleeps.
+/// Returns whether it slept.
+fn pass_markers(
+    v: &Vcuda,
+    dev: usize,
+    ctx: usize,
+    class: usize,
+    stream: CUstream,
+    entered: u64,
+) -> bool {
     let b = &v.limiter.gpus[dev];
-    let mut ctx: CUcontext = std::ptr::null_mut();
-    if ext!(MISSING, cuCtxGetCurrent(&mut ctx)) != CUDA_SUCCESS || ctx.is_null() {
-        return false;
-    }
     let others = b.others.load(Relaxed) as f64 / lim::PPM as f64;
     let mut nap = MARKER_NAP_NS.0;
     let mut slept = false;
@@ -638,15 +697,7 @@ fn pass_markers(v: &Vcuda, dev: usize, class: usize, stream: CUstream, entered: 
         let mut sets = v.limiter.markers.lock();
         let set = &mut sets[dev];
         let r = set.reap(others);
-        if r.debt_ns > 0.0 {
-            let d = r.debt_ns as i64;
-            b.tokens.fetch_sub(d, Relaxed);
-            b.debts.fetch_add(d, Relaxed);
-            log!(
-                DEBUG,
-                "GPU {dev}: a marker window ran {d} ns of device time unpaid; charged"
-            );
-        }
+        act_on(v, dev, &r);
         let now = mono_ns();
         if !set.maths.may_admit() && now.saturating_sub(entered) >= MARKER_PATIENCE_NS {
             log!(
@@ -657,9 +708,7 @@ fn pass_markers(v: &Vcuda, dev: usize, class: usize, stream: CUstream, entered: 
             set.give_up_oldest();
         }
         if set.maths.may_admit() {
-            let paid = launches_paid(paid_total(b), b.debts.load(Relaxed)) as f64;
-            let cost = b.cost[class].load(Relaxed) as f64;
-            set.record(ctx as usize, stream, paid, cost, now);
+            record_in(b, set, ctx, stream, class, now, true);
             return slept;
         }
         drop(sets);
@@ -667,6 +716,70 @@ fn pass_markers(v: &Vcuda, dev: usize, class: usize, stream: CUstream, entered: 
         slept = true;
         nap = (nap * 2).min(MARKER_NAP_NS.1);
     }
+}
+
+/// When the slow path lets a launch through: a marker in its stream that opens the launches
+/// it admits from now on.
+/// (The window between the closing marker and this one holds no launch: whether the GPU
+/// was behind is not asked.)
+fn open_marker(v: &Vcuda, dev: usize, ctx: usize, class: usize, stream: CUstream) {
+    let b = &v.limiter.gpus[dev];
+    let mut sets = v.limiter.markers.lock();
+    record_in(b, &mut sets[dev], ctx, stream, class, mono_ns(), false);
+}
+
+fn record_in(
+    b: &Bucket,
+    set: &mut MarkerSet,
+    ctx: usize,
+    stream: CUstream,
+    class: usize,
+    now: u64,
+    ask: bool,
+) {
+    let paid = launches_paid(paid_total(b), b.debts.load(Relaxed)) as f64;
+    let cost = b.cost[class].load(Relaxed) as f64;
+    set.record(ctx, stream, class, Stamp { paid, cost, now }, ask);
+}
+
+/// The calling thread's current context, if any.
+fn current_ctx() -> Option<usize> {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    (ext!(MISSING, cuCtxGetCurrent(&mut ctx)) == CUDA_SUCCESS && !ctx.is_null())
+        .then_some(ctx as usize)
+}
+
+/// Charge what marker windows showed ran unpaid, and move the kernel price to what they
+/// proved (the controller's calibration takes it over as a measurement).
+fn act_on(v: &Vcuda, dev: usize, r: &Reached) {
+    let b = &v.limiter.gpus[dev];
+    if r.debt_ns > 0.0 {
+        let d = r.debt_ns as i64;
+        b.tokens.fetch_sub(d, Relaxed);
+        b.debts.fetch_add(d, Relaxed);
+        log!(
+            DEBUG,
+            "GPU {dev}: a marker window ran {d} ns of device time unpaid; charged"
+        );
+    }
+    let cur = b.cost[KERNEL].load(Relaxed);
+    let new = if r.raise > cur as f64 {
+        r.raise
+    } else if r.lower > 0.0 && r.lower < cur as f64 {
+        r.lower
+    } else {
+        return;
+    };
+    if cur == 0 {
+        return; // exclusive
+    }
+    let new = (new as u64).max(lim::MIN_COST_NS as u64);
+    b.cost[KERNEL].store(new, Relaxed);
+    v.limiter.probed[dev][KERNEL].store(new, Relaxed);
+    log!(
+        DEBUG,
+        "GPU {dev}: marker windows price a launch at {new} ns (was {cur})"
+    );
 }
 
 /// Contexts went away: the markers whose events went with them start over. `ctx`: that
