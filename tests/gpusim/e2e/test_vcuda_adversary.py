@@ -11,13 +11,13 @@ that ran far longer than it paid as soon as the GPU reaches it, so over 10 s the
 gets its share. The same holds for kernel lengths switching 1000x every half second, and
 for two processes of one container switching out of phase.
 
-Tolerance: share + 2 pp over the 10 s from the first launch (issue 12, point 1), with NVML's
-usual 1/6 s samples; and not starved (share - 6 pp: the patterns' switches cost them some
-of it). Not asserted yet, and why (scripts/bench-limiter's adversarial table shows them):
-the worst 1 s window (markers charge a window only once the GPU has run it, and do not
-raise the price of a launch, which starved phased workloads; storms and switches still
-reach +5 to +18 pp in some windows), and 1 s samples (within a few points of the share
-over 10 s: 17-23 % at 20 % in runs of the bench).
+Tolerances (issue 12, point 1): share + 2 pp over the 10 s from the first launch; for the
+storm, share + 5 pp in every 1 s window after the first second, with NVML's 1/6 s and 1 s
+samples (worst windows in bench runs: +0.4 to +1.0 pp at 20 %); and not starved (share - 5
+or - 6 pp: the switches cost a pattern some of it). Not asserted yet, and why
+(scripts/bench-limiter's adversarial table shows them): the 1 s windows of switches and
+bursts (a group of 64 launches priced for 1 µs kernels that run 1 ms is charged once the
+GPU has run it, so two groups can run ahead: +5 to +16 pp in some windows at 10-20 %).
 """
 
 import pathlib
@@ -30,6 +30,7 @@ from limit_common import Machine
 
 SHARE = 20
 SLACK_PP = 2.0
+WINDOW_PP = 5.0
 SECONDS = 11
 
 
@@ -43,8 +44,8 @@ def adversary(tmp_path_factory):
     return out
 
 
-def test_a_storm_of_tiny_kernels_buys_no_more_than_the_share_over_10s(tmp_path, adversary):
-    period_us = 166_667
+@pytest.mark.parametrize("period_us", [166_667, 1_000_000], ids=["nvml-1/6s", "nvml-1s"])
+def test_a_storm_of_tiny_kernels_buys_no_more_than_the_share_in_any_second(tmp_path, adversary, period_us):
     # gpusim's wave cost of 1 µs makes the adversary's 1-wave kernels 1 µs long.
     m = Machine(tmp_path / "m", 1, adversary, sample_period_us=period_us, wave_ns=1000)
     try:
@@ -58,8 +59,13 @@ def test_a_storm_of_tiny_kernels_buys_no_more_than_the_share_over_10s(tmp_path, 
     avg = ld.util(0.0, 10.0) * 100
     assert avg <= SHARE + SLACK_PP, (
         f"a {SHARE} % tenant's storm got {avg:.1f} % of the GPU over 10 s (NVML period {period_us} µs)")
-    # And the ledger does not starve it: it still gets most of its share.
+    # And the ledger and markers do not starve it: it still gets most of its share.
     assert avg >= SHARE - 5, f"the storm got {avg:.1f} % of a {SHARE} % share"
+    # No second after the first runs above share + 5 pp (issue 12, point 1): the markers
+    # charge the switch to 1 ms kernels as soon as the GPU has run one group of them.
+    worst = max(m.windows(ld, 1.0, SECONDS - 0.2)) * 100
+    assert worst <= SHARE + WINDOW_PP, (
+        f"a {SHARE} % tenant's storm got {worst:.1f} % of the GPU in its worst second (NVML period {period_us} µs)")
 
 
 @pytest.mark.parametrize("pattern", [

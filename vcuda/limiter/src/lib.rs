@@ -771,12 +771,12 @@ mod tests {
                                     cal.set_cost(u.per_launch_ns);
                                 }
                             }
-                            Some(Verdict::Overpaid { per_launch_ns }) => {
-                                if per_launch_ns < cal.cost_ns() {
-                                    cal.set_cost(per_launch_ns);
-                                }
+                            Some(Verdict::Overpaid { per_launch_ns })
+                                if per_launch_ns < cal.cost_ns() =>
+                            {
+                                cal.set_cost(per_launch_ns);
                             }
-                            None => {}
+                            _ => {}
                         }
                     }
                     if !markers.may_admit() {
