@@ -128,6 +128,9 @@ pub struct Limiter {
     probed: [[AtomicU64; CLASSES]; MAX_GPUS],
     /// Markers per GPU; taken only on the slow path, never held while sleeping.
     markers: Mutex<[MarkerSet; MAX_GPUS]>,
+    /// When this limiter (or, in a forked child, its fresh start) was made, wall µs: before
+    /// any launch, so nothing was paid or queued then (the ledger's origin).
+    born_us: AtomicU64,
 }
 
 impl Limiter {
@@ -138,6 +141,7 @@ impl Limiter {
             probes: Mutex::new([[Probe::Idle; CLASSES]; MAX_GPUS]),
             probed: Default::default(),
             markers: Mutex::new(Default::default()),
+            born_us: AtomicU64::new(wall_us()),
         };
         for (dev, &core) in cores.iter().enumerate().take(MAX_GPUS) {
             let b = &l.gpus[dev];
@@ -162,6 +166,7 @@ impl Limiter {
             b.waiting.store(0, Relaxed);
             b.debts.store(0, Relaxed);
         }
+        self.born_us.store(wall_us(), Relaxed);
         *self.probes.lock() = [[Probe::Idle; CLASSES]; MAX_GPUS];
         // The parent's events are not the child's to use or destroy.
         for m in self.markers.lock().iter_mut() {
@@ -1015,6 +1020,9 @@ struct GpuCtl {
     /// Whether NVML has ever shown a sample with this process's pid. Until it has, samples
     /// without it prove nothing (the pid may be from another namespace), so none are used.
     pid_seen: bool,
+    /// Whether the ledger's origin is settled: given ([`Limiter::born_us`]), or none
+    /// because the process began exclusive.
+    origin: bool,
 }
 
 impl GpuCtl {
@@ -1030,6 +1038,7 @@ impl GpuCtl {
             elastic_rate: 0,
             exclusive: false,
             pid_seen: false,
+            origin: false,
         }
     }
 }
@@ -1100,6 +1109,9 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
 
     // Exclusive: no throttling at all.
     if share >= lim::PPM {
+        // Work run while exclusive was never paid: the ledger has no origin then, and
+        // starts from its first tick.
+        c.origin = true;
         if !c.exclusive {
             c.exclusive = true;
             for k in &b.cost {
@@ -1131,6 +1143,12 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
     // whatever the estimate said a launch cost; `debts` holds every debt charged so far.
     let t_us = wall_us();
     let debts = b.debts.load(Relaxed);
+    if !c.origin {
+        // Paid 0 then (the counters start at 0), and the first tick came later (skipped if
+        // the process began exclusive: see above).
+        c.cal.record_origin(v.limiter.born_us.load(Relaxed), 0);
+        c.origin = true;
+    }
     c.cal.record_paid(t_us, launches_paid(paid, debts));
     c.cal.record_debt(t_us, debts as f64);
 
@@ -1190,13 +1208,13 @@ fn launches_paid(paid: u64, charged: i64) -> u64 {
 /// unpaid beyond what was charged, or refund a charge NVML did not confirm
 /// (`Calibrator::settle`).
 fn settle(b: &Bucket, c: &mut GpuCtl, dev: usize) {
-    let mut d = c.cal.settle(b.debts.load(Relaxed) as f64);
+    let cap = capacity(b, b.rate.load(Relaxed));
+    let mut d = c.cal.settle(b.debts.load(Relaxed) as f64, cap as f64);
     if d < 0 {
         // A refund fills the bucket no further than a refill may: refunded time is still
         // time this process may use only at its rate (an unbounded refund admitted a
         // second of work at once, queued past every marker). What does not fit is not
         // refunded, and stays charged.
-        let cap = capacity(b, b.rate.load(Relaxed));
         let mut applied = 0;
         let _ = b.tokens.fetch_update(Relaxed, Relaxed, |t| {
             applied = (-d).min(cap.saturating_sub(t)).max(0);

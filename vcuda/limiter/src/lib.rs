@@ -271,6 +271,9 @@ pub struct Calibrator {
     debts: VecDeque<(u64, f64)>,
     /// End of the newest sampled period, wall µs.
     sampled_to_us: u64,
+    /// The oldest entry of `paid` is the origin ([`Calibrator::record_origin`]): nothing was
+    /// paid before it.
+    origin: bool,
 }
 
 impl Default for Calibrator {
@@ -290,6 +293,7 @@ impl Calibrator {
             paid_total_ns: 0.0,
             debts: VecDeque::new(),
             sampled_to_us: 0,
+            origin: false,
         }
     }
 
@@ -306,7 +310,20 @@ impl Calibrator {
         self.paid.push_back((t_us, paid_total_ns));
         while self.paid.len() > 256 {
             self.paid.pop_front();
+            self.origin = false;
         }
+    }
+
+    /// Note the total paid (ns) at wall time `t_us`, a moment before any of the process's
+    /// work could be queued (its limiter was just made): paid at any earlier time counts as
+    /// this. Without it, the first NVML period the ledger could match began after the first
+    /// controller tick (50 ms after start), when launches were already queued: work paid
+    /// before that period and run in it looked unpaid, a false debt of a whole queue (one
+    /// 20 ms kernel at 90 %) charged and refunded over and over, each time idling the GPU.
+    pub fn record_origin(&mut self, t_us: u64, paid_total_ns: u64) {
+        self.paid.clear();
+        self.paid.push_back((t_us, paid_total_ns));
+        self.origin = true;
     }
 
     /// Total paid at wall time `t_us`, interpolated between ticks.
@@ -314,7 +331,7 @@ impl Calibrator {
         let i = self.paid.iter().position(|&(t, _)| t >= t_us)?;
         let (t1, p1) = self.paid[i];
         if i == 0 {
-            return (t1 == t_us).then_some(p1 as f64);
+            return (t1 == t_us || self.origin).then_some(p1 as f64);
         }
         let (t0, p0) = self.paid[i - 1];
         let f = (t_us - t0) as f64 / (t1 - t0) as f64;
@@ -325,6 +342,10 @@ impl Calibrator {
     /// long, in which it kept the device busy `util_pct` percent of the time. Returns whether
     /// it could be matched with payments.
     pub fn sample(&mut self, end_us: u64, period_us: u64, util_pct: u32) -> bool {
+        // A period over before the origin was another process's (a pid used again).
+        if self.origin && self.paid.front().is_some_and(|&(t, _)| end_us <= t) {
+            return false;
+        }
         let (Some(p0), Some(p1)) = (
             self.paid_at(end_us.saturating_sub(period_us)),
             self.paid_at(end_us),
@@ -368,12 +389,20 @@ impl Calibrator {
     /// NVML does not confirm, e.g. a marker window of long kernels in a mix whose short
     /// ones overpaid). Nothing within [`MIN_DEBT_NS`] (rounding noise).
     ///
+    /// A charge waits until the measured side leads by `slack_ns` too: the paid side is
+    /// read at controller ticks and interpolated between them, while launches pay in steps
+    /// of up to a bucket's capacity (a burst after a wait), so between ticks the measured
+    /// side may lead by up to that much with nothing unpaid. Without it a 90 % tenant of
+    /// 20 ms kernels was charged and refunded 5-20 ms every few samples, and each false
+    /// charge left the GPU idle while it was repaid (a one-time offset: never more than
+    /// `slack_ns` runs unpaid in all).
+    ///
     /// Never charges more than was used: work paid but not yet run makes the measured side
     /// lag the paid side, never lead it. `paid_ns` given to [`Calibrator::record_paid`] must
     /// leave debts out.
-    pub fn settle(&self, debt_ns: f64) -> i64 {
+    pub fn settle(&self, debt_ns: f64, slack_ns: f64) -> i64 {
         let target = (self.busy_total_ns - self.paid_total_ns).max(0.0);
-        if target - debt_ns >= MIN_DEBT_NS {
+        if target - debt_ns >= MIN_DEBT_NS.max(slack_ns) {
             return (target - debt_ns) as i64;
         }
         // What had been charged by the end of the newest sampled period.
@@ -695,7 +724,7 @@ mod tests {
             const TICK: u64 = 50_000_000;
             let (share_ppm, period) = (self.share_ppm, self.period_ns);
             let mut cal = Calibrator::new(self.initial_cost_ns);
-            cal.record_paid(0, 0); // the controller ticks from before the first launch
+            cal.record_origin(0, 0); // the limiter was made before the first launch
             let mut charged = 0.0f64; // every debt charged
             let (mut tokens, mut paid, mut last_refill) = (0i64, 0u64, 0u64);
             let mut ends: VecDeque<u64> = VecDeque::new(); // queued kernels' end times
@@ -726,10 +755,10 @@ mod tests {
                     cal.record_paid(b / 1000, paid);
                     cal.record_debt(b / 1000, charged);
                     cal.sample(b / 1000, period / 1000, pct);
-                    let mut d = cal.settle(charged);
+                    let cap = marker_capacity(cal.cost_ns() as u64, share_ppm);
+                    let mut d = cal.settle(charged, cap as f64);
                     if d < 0 {
                         // A refund fills the bucket no further than a refill may.
-                        let cap = marker_capacity(cal.cost_ns() as u64, share_ppm);
                         d = -(-d).min(cap.saturating_sub(tokens)).max(0);
                     }
                     charged += d as f64;
@@ -1136,12 +1165,17 @@ mod tests {
         c.record_debt(0, 0.0);
         c.record_paid(166_667, 10_000); // paid 10 µs in the period...
         assert!(c.sample(166_667, 166_667, 60)); // ...which kept the device 60 % busy
-        let owed = c.settle(0.0);
+        let owed = c.settle(0.0, 0.0);
         assert!(
             (owed as f64 - (0.6 * 166_667_000.0 - 10_000.0)).abs() < 1.0,
             "{owed}"
         );
-        assert_eq!(c.settle(owed as f64), 0, "charged once");
+        assert_eq!(c.settle(owed as f64, 0.0), 0, "charged once");
+        assert_eq!(
+            c.settle(0.0, owed as f64 + 1.0),
+            0,
+            "no charge within the slack (a bucket's capacity)"
+        );
         // Work paid but still queued (measured later) is no debt, and no refund either of
         // what NVML did measure.
         c.record_debt(200_000, owed as f64);
@@ -1149,7 +1183,7 @@ mod tests {
         assert!(c.sample(333_334, 166_667, 0));
         c.record_debt(333_334, owed as f64);
         assert!(
-            c.settle(owed as f64) < 0,
+            c.settle(owed as f64, 0.0) < 0,
             "now paid for: the advance comes back"
         );
         // An advance charged after the newest sample stays until NVML has seen its period.
@@ -1159,7 +1193,40 @@ mod tests {
         c.record_paid(166_667, 0);
         assert!(c.sample(166_667, 166_667, 0));
         c.record_debt(200_000, 5_000_000.0); // a marker's debt, after that period
-        assert_eq!(c.settle(5_000_000.0), 0);
+        assert_eq!(c.settle(5_000_000.0, 0.0), 0);
+    }
+
+    /// Work queued before the first controller tick is not debt once it runs: three 20 ms
+    /// kernels paid at 10 ms run 10-70 ms; ticks come every 50 ms from 50 ms; NVML's
+    /// periods end at 55 ms and 221.7 ms. Matched from the first tick alone, the period
+    /// from 55 ms holds 15 ms of their running and none of their paying.
+    #[test]
+    fn work_queued_before_the_first_tick_is_not_charged_as_debt() {
+        let run = |origin: bool| {
+            let mut c = Calibrator::new(20_000_000.0);
+            if origin {
+                c.record_origin(0, 0);
+            }
+            let mut owed = 0;
+            for tick in 1..=5 {
+                c.record_paid(tick * 50_000, 60_000_000);
+                c.record_debt(tick * 50_000, 0.0);
+            }
+            for (end, util) in [(55_000, 27), (221_667, 9)] {
+                if c.sample(end, 166_667, util) {
+                    owed += c.settle(owed as f64, 0.0);
+                }
+            }
+            owed
+        };
+        assert!(run(false) > 10_000_000, "without the origin: a false debt");
+        assert_eq!(run(true), 0);
+        // A period over before the origin belongs to an earlier process with the same pid.
+        let mut c = Calibrator::new(1_000.0);
+        c.record_origin(100_000, 0);
+        c.record_paid(150_000, 0);
+        assert!(!c.sample(90_000, 166_667, 50));
+        assert!(c.sample(150_000, 166_667, 0));
     }
 }
 #[cfg(test)]
