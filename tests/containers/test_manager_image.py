@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpusim" / "e2e"))
 sys.path.insert(0, str(ROOT / "tests" / "containers"))
 
-from conftest import LIB, VCUDA_LIB, Sim, cc, gpusim_built  # noqa: E402,F401  (fixtures)
+from conftest import GPUSIM, LIB, VCUDA_LIB, Sim, cc, gpusim_built  # noqa: E402,F401  (fixtures)
 from node_common import Node, bins, wait_for  # noqa: E402,F401
 import runtime  # noqa: E402
 from test_real_containers import IMAGE, engine_ready, fill_registered, held_mib, tools  # noqa: E402,F401
@@ -219,6 +219,15 @@ exec setpriv --reuid 1000 --regid 1000 --clear-groups -- "$@"
 """
 
 
+def _watchdog_diagnosis(node, bypass):
+    """What a missed compute-watchdog verdict needs to be understood: whether the bypass
+    runs, what gpusim measured per process, and the manager's last lines."""
+    state = "running" if bypass.poll() is None else f"exited {bypass.returncode}: {bypass.stderr.read()[-2000:]}"
+    status = subprocess.run([str(GPUSIM), "status", "--json"], env=node.sim.env, capture_output=True, text=True)
+    tail = "\n".join(node.log().splitlines()[-30:])
+    return f"bypass: {state}\ngpusim status: {status.stdout[:4000]}{status.stderr[-500:]}\nmanager log (tail):\n{tail}"
+
+
 def run_the_node(node, bins, tools, caps=None):
     """Start the manager from the image, admit a pod whose real container allocates past its
     quota, then run a bypassing process in the pod's cgroup; returns (manager, whether the
@@ -244,7 +253,11 @@ def run_the_node(node, bins, tools, caps=None):
             bypass = subprocess.Popen(["bash", "-c", BYPASS, "bypass", load, "--kernel", "spin_1ms", "--seconds", "20"],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
-                wait_for("the compute watchdog", lambda: "more compute than the limit" in node.log(), timeout=10)
+                try:
+                    # A 2 s window; the rest is room for a loaded CI machine.
+                    wait_for("the compute watchdog", lambda: "more compute than the limit" in node.log(), timeout=20)
+                except AssertionError as e:
+                    raise AssertionError(f"{e}\n{_watchdog_diagnosis(node, bypass)}") from None
                 wait_for("the watchdog's kill or its failure", lambda: "watchdog: killed" in node.log() or "watchdog: cannot kill" in node.log(), timeout=5)
                 try:
                     bypass.wait(timeout=5)
