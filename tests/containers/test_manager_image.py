@@ -247,9 +247,13 @@ def run_the_node(node, bins, tools, caps=None):
             tenant = engine.start(admitted, uid)
             got = held_mib(fill_registered(node, tenant, 64, 100000))
             peak = node.sim.status()["gpus"][0]["memory_peak"]
-            env = dict(node.sim.env, POD_UID=uid)
+            # The program and the simulated driver from where uid 1000 can read them: a
+            # checkout may sit under a 0700 directory (mktemp -d), as on a CI runner.
             load = node.sim.dir / "load"
             shutil.copy2(bins["load"], load)
+            lib = node.sim.dir / "lib"
+            shutil.copytree(LIB, lib, dirs_exist_ok=True)
+            env = dict(node.sim.env, POD_UID=uid, LD_LIBRARY_PATH=str(lib))
             bypass = subprocess.Popen(["bash", "-c", BYPASS, "bypass", load, "--kernel", "spin_1ms", "--seconds", "20"],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
