@@ -24,7 +24,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "e2e"))
 
 from conftest import LIB, VCUDA_LIB, cuda_include_dir  # noqa: E402
-from limit_common import Machine  # noqa: E402
+from limit_common import ELASTIC, Machine, elastic_run  # noqa: E402
 
 SHARES = [10, 20, 50]
 PERIODS = [166_667, 1_000_000]  # NVML per-process utilization sample period, µs
@@ -175,40 +175,7 @@ def measure(run, seconds):
     return share, avg, worst, cpu
 
 
-ELASTIC = (20, 80, 50)  # the elastic tenant's share and limit, the neighbour's share (%)
 ELASTIC_PATTERNS = ["storm", "switch", "bursts"]
-
-
-def elastic_run(work, program, vcuda_lib, mode, period, seconds):
-    """Issue 12, point 3: an elastic tenant (share 20 %, limit 80 %) runs `mode` alone for
-    half the run, then a 50 % neighbour starts saturating. Returns (elastic alone: average,
-    worst 1 s window; elastic beside the neighbour; the neighbour's average; when the
-    neighbour first held 50 ± 3 % over half a second, s after it started, or None)."""
-    share, limit, other = ELASTIC
-    m = Machine(work, 1, program, sample_period_us=period, wave_ns=WAVE_NS)
-    try:
-        a = m.tenant(0, "elastic", core=share, core_limit=limit)
-        b = m.tenant(0, "neighbour", core=other)
-        for c in (a, b):
-            c.env["LD_PRELOAD"] = str(vcuda_lib)
-        m.sample(0.2)
-        la = m.spawn(a, 0, ["--mode", mode, "--seconds", f"{seconds:g}"])
-        time.sleep(seconds / 2)
-        lb = m.spawn(b, 0, ["--mode", "steady", "--kernel", "spin_1ms", "--seconds", f"{seconds / 2:g}"])
-        la.wait(timeout=seconds + 30)
-        lb.wait(timeout=seconds + 30)
-    finally:
-        m.stop()
-    off = lb.t0 - la.t0
-    reach, t = None, 0.0
-    while t < 3.0:
-        if abs(lb.util(t, t + 0.5) * 100 - other) <= 3:
-            reach = t
-            break
-        t += 0.1
-    end = seconds / 2 - 0.5
-    return (la.util(1.0, off) * 100, max(m.windows(la, 1.0, off - 0.1)) * 100,
-            la.util(off + 1.0, off + end) * 100, lb.util(1.0, end) * 100, reach)
 
 
 def elastic_table(work, program, vcuda_lib, periods, seconds, progress):
@@ -225,7 +192,7 @@ def elastic_table(work, program, vcuda_lib, periods, seconds, progress):
         for mode in ELASTIC_PATTERNS:
             progress(f"elastic: {mode}, NVML {period_name(period)}, {seconds:g} s")
             alone, worst, beside, nb, reach = elastic_run(work / f"elastic-{mode}-{period}", program, vcuda_lib,
-                                                          mode, period, seconds)
+                                                          mode, period, seconds, WAVE_NS)
             m1 = "!" if alone > limit + AVG_SLACK else " "
             m2 = "!" if worst > limit + WINDOW_SLACK else " "
             m3 = "!" if reach is None or reach > 0.5 else " "

@@ -184,3 +184,40 @@ class Machine:
             out.append(load.util(t, t + width))
             t += step
         return out
+
+
+ELASTIC = (20, 80, 50)  # the elastic tenant's share and limit, the neighbour's share (%)
+
+
+def elastic_run(work, program, vcuda_lib, mode, period, seconds, wave_ns):
+    """Issue 12, point 3: an elastic tenant (share 20 %, limit 80 %) runs `mode` alone for
+    half the run, then a 50 % neighbour starts saturating (`program`: c/vcuda_adversary.c;
+    `wave_ns`: gpusim's cost of a kernel wave, 1000 makes its tiny kernels 1 µs). Returns
+    (elastic alone: average, worst 1 s window; elastic beside the neighbour; the
+    neighbour's average; when the neighbour first held 50 ± 3 % over half a second, s after
+    it started, or None)."""
+    share, limit, other = ELASTIC
+    m = Machine(work, 1, program, sample_period_us=period, wave_ns=wave_ns)
+    try:
+        a = m.tenant(0, "elastic", core=share, core_limit=limit)
+        b = m.tenant(0, "neighbour", core=other)
+        for c in (a, b):
+            c.env["LD_PRELOAD"] = str(vcuda_lib)
+        m.sample(0.2)
+        la = m.spawn(a, 0, ["--mode", mode, "--seconds", f"{seconds:g}"])
+        time.sleep(seconds / 2)
+        lb = m.spawn(b, 0, ["--mode", "steady", "--kernel", "spin_1ms", "--seconds", f"{seconds / 2:g}"])
+        la.wait(timeout=seconds + 30)
+        lb.wait(timeout=seconds + 30)
+    finally:
+        m.stop()
+    off = lb.t0 - la.t0
+    reach, t = None, 0.0
+    while t < 3.0:
+        if abs(lb.util(t, t + 0.5) * 100 - other) <= 3:
+            reach = t
+            break
+        t += 0.1
+    end = seconds / 2 - 0.5
+    return (la.util(1.0, off) * 100, max(m.windows(la, 1.0, off - 0.1)) * 100,
+            la.util(off + 1.0, off + end) * 100, lb.util(1.0, end) * 100, reach)
