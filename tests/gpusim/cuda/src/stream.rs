@@ -100,6 +100,7 @@ fn rewatch(d: &Driver, inner: &Inner) {
         w.entry(k).or_insert(0);
     }
     d.watching.store(w.len(), Relaxed);
+    d.watch_min.store(lowest_unharvested(&w), Relaxed);
 }
 
 fn record(event: CUevent, stream: CUstream) -> R {
