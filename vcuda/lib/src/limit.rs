@@ -336,7 +336,11 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
         slept = true;
         std::thread::sleep(Duration::from_nanos(ns));
     };
-    if let Some(ctx) = ctx {
+    // After a wait, a marker opens the launches admitted from now on, so the next window
+    // times them and not the wait. Without one, the closing marker just recorded opens
+    // them: a process under its share takes this path every 64 launches only to refill,
+    // and one event record less is half of what the markers cost it.
+    if let (Some(ctx), true) = (ctx, slept) {
         open_marker(v, dev, ctx, class, stream);
     }
     b.waiting.fetch_sub(cost as i64, Relaxed);

@@ -737,6 +737,7 @@ mod tests {
             let mut marker_at: VecDeque<u64> = VecDeque::new(); // when the GPU reaches each
             let mut last_reached: Option<u64> = None;
             let mut slow = false;
+            let mut slept = false; // while on the slow path
             while t < end {
                 while next_sample <= t {
                     let (a, b) = (next_sample - period, next_sample);
@@ -810,6 +811,7 @@ mod tests {
                     }
                     if !markers.may_admit() {
                         slow = false;
+                        slept = true;
                         t = marker_at
                             .front()
                             .copied()
@@ -824,13 +826,15 @@ mod tests {
                 }
                 let cost = cal.cost_ns() as i64;
                 if tokens > 0 {
-                    if slow && markers.may_admit() {
-                        // Leaving the slow path: a marker opens the launches it admits.
+                    if slow && slept && markers.may_admit() {
+                        // Leaving the slow path after a wait: a marker opens the launches
+                        // it admits (without a wait, the closing marker opens them).
                         let behind = marker_at.back().is_some_and(|&m| m > t);
                         markers.recorded_behind(paid as f64, cal.cost_ns(), t as f64, behind);
                         marker_at.push_back(ends.back().copied().unwrap_or(t).max(t));
                     }
                     slow = false;
+                    slept = false;
                     tokens -= cost;
                     paid += cost as u64;
                     let d = kernel(t, n);
@@ -851,6 +855,7 @@ mod tests {
                 if tokens > 0 {
                     continue;
                 }
+                slept |= slow;
                 t = (t + wait_ns(1 - tokens, share_ppm)).min(horizon).max(t + 1);
             }
             cum
