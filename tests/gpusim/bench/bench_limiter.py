@@ -125,6 +125,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=11, help="length of each saturating run (default 11)")
     ap.add_argument("--work", type=pathlib.Path, required=True, help="scratch directory")
     args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
 
     def progress(msg):
         print(f"... {msg}", file=sys.stderr, flush=True)
