@@ -338,8 +338,8 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
     };
     // After a wait, a marker opens the launches admitted from now on, so the next window
     // times them and not the wait. Without one, the closing marker just recorded opens
-    // them: a process under its share takes this path every 64 launches only to refill,
-    // and one event record less is half of what the markers cost it.
+    // them: a process under its share takes this path every `MARKER_LAUNCHES` launches
+    // only to refill, and one event record less is half of what the markers cost it.
     if let (Some(ctx), true) = (ctx, slept) {
         open_marker(v, dev, ctx, class, stream);
     }
@@ -1027,6 +1027,8 @@ struct GpuCtl {
     /// Whether the ledger's origin is settled: given ([`Limiter::born_us`]), or none
     /// because the process began exclusive.
     origin: bool,
+    /// Whether the first-launch probe's lump charge was noted to the calibration.
+    probe_paid: bool,
 }
 
 impl GpuCtl {
@@ -1043,6 +1045,7 @@ impl GpuCtl {
             exclusive: false,
             pid_seen: false,
             origin: false,
+            probe_paid: false,
         }
     }
 }
@@ -1152,6 +1155,11 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
         // the process began exclusive: see above).
         c.cal.record_origin(v.limiter.born_us.load(Relaxed), 0);
         c.origin = true;
+    }
+    if kp != 0 && !c.probe_paid {
+        // The probe charged the launches admitted before it measured (`check_probes`).
+        c.probe_paid = true;
+        c.cal.paid_unpriced_by(t_us);
     }
     c.cal.record_paid(t_us, launches_paid(paid, debts));
     c.cal.record_debt(t_us, debts as f64);
