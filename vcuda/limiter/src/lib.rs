@@ -1003,31 +1003,23 @@ mod tests {
     fn no_launch_pattern_runs_above_the_share_or_starves() {
         type Kernel = Box<dyn Fn(u64, u64) -> u64>;
         let half_s = 500_000_000;
+        // Phases of `phase` ns, tiny kernels first (up) or heavy first (down).
+        let switch = |phase: u64, tiny_first: bool| -> Kernel {
+            Box::new(move |t, _| {
+                if (t / phase).is_multiple_of(2) == tiny_first {
+                    1_000
+                } else {
+                    1_000_000
+                }
+            })
+        };
         let patterns: Vec<(&str, Kernel)> = vec![
             (
                 "storm",
                 Box::new(|_, n| if n < 20_000 { 1_000 } else { 1_000_000 }),
             ),
-            (
-                "switch up",
-                Box::new(move |t, _| {
-                    if (t / half_s) % 2 == 0 {
-                        1_000
-                    } else {
-                        1_000_000
-                    }
-                }),
-            ),
-            (
-                "switch down",
-                Box::new(move |t, _| {
-                    if (t / half_s) % 2 == 1 {
-                        1_000
-                    } else {
-                        1_000_000
-                    }
-                }),
-            ),
+            ("switch up", switch(half_s, true)),
+            ("switch down", switch(half_s, false)),
             (
                 "bursts",
                 Box::new(|t, _| {
@@ -1057,26 +1049,8 @@ mod tests {
             ),
             // The same at another phase: with overpayment banked as credit, the 50 % tenant
             // ran a 1 s window 21 pp over.
-            (
-                "switch up (550 ms)",
-                Box::new(|t, _| {
-                    if (t / 550_000_000) % 2 == 0 {
-                        1_000
-                    } else {
-                        1_000_000
-                    }
-                }),
-            ),
-            (
-                "switch down (550 ms)",
-                Box::new(|t, _| {
-                    if (t / 550_000_000) % 2 == 1 {
-                        1_000
-                    } else {
-                        1_000_000
-                    }
-                }),
-            ),
+            ("switch up (550 ms)", switch(550_000_000, true)),
+            ("switch down (550 ms)", switch(550_000_000, false)),
             ("steady", Box::new(|_, _| 50_000)),
         ];
         for (name, kernel) in &patterns {
