@@ -247,8 +247,9 @@ struct Evidence {
     /// Launches paid in the period: tokens paid over the cost estimate in force.
     launches: f64,
     span_ns: f64,
-    /// The period began at or before the origin: the queue filled in it, so some work paid
-    /// in it had not run by its end, and it reads the cost low.
+    /// The period began at or before the origin (or before the probe's lump was paid,
+    /// `fill_until_us`): the queue filled in it, so some work paid in it had not run by its
+    /// end, and it reads the cost low.
     filling: bool,
 }
 
