@@ -4,7 +4,11 @@ Tolerances, stated once:
 - ACCURACY: a saturating tenant's utilization, averaged over 10 s (from 1 s after start),
   is its share ± 2 percentage points.
 - Any 1 s window holds whole kernels, so it may exceed the share by one kernel's length
-  (2 pp for 20 ms kernels) on top of the 2 pp: WINDOW_SLACK(kernel).
+  (2 pp for 20 ms kernels) on top of the 2 pp: WINDOW_SLACK(kernel). For 20 ms kernels that
+  is below what the limiter guarantees: its bucket holds one kernel and a launch may take it
+  one kernel into debt, so a window can hold two kernels (4 pp) beyond the share on top of
+  the calibration's error; there the bound is issue 12's, share ± 5 pp per 1 s window
+  (CI failed at 79.3 % for 75 % and 94.2 % for 90 % with the tighter one).
 - Settled: the second second after start (or after a change) is already within the window
   tolerance.
 """
@@ -19,8 +23,14 @@ from limit_common import KERNELS, Machine, build_load, set_share
 ACCURACY = 0.02
 
 
+WINDOW_BOUND = 0.05  # issue 12: no 1 s window more than 5 pp over the share
+
+
 def window_slack(kernel):
-    return ACCURACY + KERNELS[kernel] / 1.0
+    slack = ACCURACY + KERNELS[kernel] / 1.0
+    # as long as the bucket's 20 ms of earnings (vcuda-limiter's CAPACITY_WINDOW_NS): the
+    # bucket holds one kernel, and a launch may take it one more into debt
+    return max(slack, WINDOW_BOUND) if KERNELS[kernel] >= 0.02 else slack
 
 
 @pytest.fixture(scope="module")
