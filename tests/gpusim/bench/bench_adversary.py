@@ -20,6 +20,7 @@ two middle ones when N is even), each a miss if over.
 import argparse
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import threading
@@ -47,6 +48,8 @@ PATTERNS = {
     "graph": ([["--mode", "graph"]], 1, "a graph of 20 × 1 ms kernels, cuGraphLaunch'ed back to back"),
     "opposite": ([["--mode", "switch"], ["--mode", "switch", "--invert"]], 4,
                  "two processes in one container: switch, and switch out of phase (1 ms while the other runs 1 µs)"),
+    "pounce": ([["--mode", "pounce"]], 3,
+               "1 µs kernels until a launch is let through at once after a held one (the price fell), then 1 ms ones"),
     "storm/same-fn": ([["--mode", "storm", *SAME_FN]], 1, "storm with ONE kernel whose length follows its grid (1 vs 1000 waves)"),
     "switch/same-fn": ([["--mode", "switch", *SAME_FN]], 3, "switch with ONE kernel, grid 1 wave vs 1000 waves"),
     "bursts/same-fn": ([["--mode", "bursts", *SAME_FN]], 2, "bursts with ONE kernel, grid 1 wave vs 1000 waves"),
@@ -136,6 +139,8 @@ def run_batch(work, index, batch, program, seconds, vcuda_lib):
     machines = {}
     for period in sorted({r.period for r in batch}):
         group = [r for r in batch if r.period == period]
+        # A --work directory of an earlier run holds machines of other sizes: start afresh.
+        shutil.rmtree(work / f"b{index}-p{period}", ignore_errors=True)
         machines[period] = (Machine(work / f"b{index}-p{period}", len(group), program,
                                     sample_period_us=period, wave_ns=WAVE_NS), group)
     placed = []

@@ -10,6 +10,10 @@
  *            for the rest of the period
  *   streams  --threads N (8) threads, each with its own stream, launching long kernels
  *   graph    a captured graph of --graph-nodes N (20) long kernels, cuGraphLaunch'ed
+ *   pounce   short kernels until a launch returns at once after one that was held back
+ *            (the limiter has just lowered its price), then long kernels until one is held
+ *            back again, and so on: a switch timed by what the tenant can see, to catch
+ *            whatever the limiter admits at the old price's balance
  * Short = spin_1us, long = spin_1ms (durations in their names). With --same-function both
  * are ONE kernel without a duration in its name (wave_kernel, 1024 threads per block), so
  * gpusim runs it in waves: short = a grid of one block (one wave), long = --long-waves W
@@ -33,6 +37,9 @@
 
 #define MAX_THREADS 64
 #define BLOCK 1024
+/* A launch that took longer than this was held back by the limiter (an unthrottled launch
+ * returns in microseconds; a 1 ms kernel priced right at 10-50 % waits 1-9 ms). */
+#define HELD_S 0.0008
 
 static double now_s(void) {
     struct timespec ts;
@@ -174,6 +181,21 @@ int main(int argc, char **argv) {
                 for (long i = 0; i < burst && now_s() < deadline; i++) launch(shortk, s);
             } else {
                 launch(longk, s);
+            }
+        }
+    } else if (!strcmp(mode, "pounce")) {
+        int held = 0;
+        while (now_s() < deadline) {
+            double t = now_s();
+            launch(shortk, s);
+            if (now_s() - t > HELD_S) {
+                held = 1;
+            } else if (held) {
+                do {
+                    t = now_s();
+                    launch(longk, s);
+                } while (now_s() - t <= HELD_S && now_s() < deadline);
+                held = 0;
             }
         }
     } else if (!strcmp(mode, "streams")) {
