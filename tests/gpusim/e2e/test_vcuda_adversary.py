@@ -16,8 +16,9 @@ storm, share + 5 pp in every 1 s window after the first second, with NVML's 1/6 
 samples (worst windows in bench runs: +0.4 to +1.0 pp at 20 %); and not starved (share - 5
 or - 6 pp: the switches cost a pattern some of it). Not asserted yet, and why
 (scripts/bench-limiter's adversarial table shows them): the 1 s windows of switches and
-bursts (a group of 64 launches priced for 1 µs kernels that run 1 ms is charged once the
-GPU has run it, so two groups can run ahead: +5 to +16 pp in some windows at 10-20 %).
+bursts (a window of 48 launches priced for 1 µs kernels that run 1 ms is charged once the
+GPU has run it, and the slow path waits for a late window only once two are queued: +5 to
++11 pp in some windows at 10-20 %, bench runs of 2026-11-27).
 
 Elastic shares (issue 12, point 3): a tenant with share 20 % and limit 80 % storms or
 switches alone (held to its limit + 2 pp on average, + 5 pp per second), then a 50 %
@@ -74,11 +75,16 @@ def test_a_storm_of_tiny_kernels_buys_no_more_than_the_share_in_any_second(tmp_p
 
 
 @pytest.mark.parametrize("pattern", [
-    ("switch", [["--mode", "switch"]]),
-    ("opposite", [["--mode", "switch"], ["--mode", "switch", "--invert"]]),
+    ("switch", [["--mode", "switch"]], 6),
+    ("opposite", [["--mode", "switch"], ["--mode", "switch", "--invert"]], 6),
+    # Switches to 1 ms kernels the moment its launches stop being held back (the price just
+    # fell), to run whatever the old price's balance admits: libvcuda forfeits a balance
+    # beyond the new price's capacity. Its short phases are priced as long kernels until a
+    # marker window shows otherwise, so it wastes much of its share: no floor.
+    ("pounce", [["--mode", "pounce"]], None),
 ], ids=lambda p: p[0])
 def test_kernel_lengths_switching_1000x_buy_no_more_than_the_share_over_10s(tmp_path, adversary, pattern):
-    name, procs = pattern
+    name, procs, floor = pattern
     period_us = 166_667
     m = Machine(tmp_path / "m", 1, adversary, sample_period_us=period_us, wave_ns=1000)
     try:
@@ -94,7 +100,8 @@ def test_kernel_lengths_switching_1000x_buy_no_more_than_the_share_over_10s(tmp_
     avg = sum(m.util(0, ld.pid, t0, t0 + 10.0) for ld in loads) * 100  # % over 10 s
     assert avg <= SHARE + SLACK_PP, (
         f"a {SHARE} % container switching kernel lengths ({name}) got {avg:.1f} % of the GPU over 10 s")
-    assert avg >= SHARE - 6, f"{name} got {avg:.1f} % of a {SHARE} % share"
+    if floor is not None:
+        assert avg >= SHARE - floor, f"{name} got {avg:.1f} % of a {SHARE} % share"
 
 
 @pytest.mark.parametrize("mode", ["storm", "switch"])

@@ -249,6 +249,31 @@ fn capacity(b: &Bucket, rate: u64) -> i64 {
     lim::marker_capacity(b.cost[KERNEL].load(Relaxed), rate)
 }
 
+/// The kernel price was set (a probe, a marker window or the calibration may lower it):
+/// what the bucket holds beyond its capacity at the new price is forfeited, as a refill
+/// would never have added it, and leaves the refilled total (it was never paid). Kept, a
+/// balance earned at the old price (up to a bucket's worth, and the refund of a waiting
+/// launch's prepayment) admitted balance / new price launches on the fast path, with no
+/// slow path and so no marker to bound them: 1.5 ms of balance at a 1 µs price is 1500
+/// launches, a second and a half of 1 ms kernels for a tenant that switches right after
+/// the price fell (the likeliest cause of the one 96 % second issue 12's bench saw in 372
+/// runs; the adversary's `pounce` mode tries it on purpose). Returns what was forfeited,
+/// ns.
+fn forfeit_excess(b: &Bucket) -> i64 {
+    let cap = capacity(b, b.rate.load(Relaxed));
+    let mut cut = 0;
+    let _ = b.tokens.fetch_update(Relaxed, Relaxed, |t| {
+        cut = t.saturating_sub(cap);
+        (t > cap).then_some(cap)
+    });
+    if cut > 0 {
+        let _ = b
+            .refilled
+            .fetch_update(Relaxed, Relaxed, |r| Some(r.saturating_sub(cut as u64)));
+    }
+    cut.max(0)
+}
+
 /// Add what the clock earned since the last refill (one thread wins the CAS and adds).
 fn refill(b: &Bucket, now: u64) {
     let last = b.last_refill.load(Relaxed);
@@ -316,6 +341,7 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
             b.tokens.fetch_add(cost as i64 - cur as i64, Relaxed);
             b.waiting.fetch_add(cur as i64 - cost as i64, Relaxed);
             cost = cur;
+            forfeit_excess(b);
         }
         refill(b, now);
         let bal = b.tokens.load(Relaxed) + cost as i64;
@@ -471,6 +497,7 @@ fn check_probes(v: &Vcuda, dev: usize) -> bool {
                 b.cost[class].store(ns, Relaxed);
             }
             charge(b, free, ns);
+            forfeit_excess(b);
             v.limiter.probed[dev][class].store(ns, Relaxed);
             log!(
                 DEBUG,
@@ -506,8 +533,6 @@ pub fn forget_probes(v: &Vcuda) {
 /// giving that marker up: its stream may be waiting for the host (for this very thread, say,
 /// to write what a `cuStreamWaitValue32` waits for), and a launch must never deadlock.
 const MARKER_PATIENCE_NS: u64 = 500_000_000;
-/// First and longest nap while waiting for a marker (the nap doubles: few wake-ups).
-const MARKER_NAP_NS: (u64, u64) = (500_000, 20_000_000);
 
 /// A marker's event and where it was recorded.
 #[derive(Clone, Copy)]
@@ -685,8 +710,10 @@ impl MarkerSet {
 
 /// When a launch on `dev` finds the bucket empty: act on what the markers the GPU reached
 /// proved (charge what ran unpaid, price a kernel launch at least or at most as their
-/// windows say); while [`lim::MAX_PENDING_MARKERS`] are pending, wait (napping) for the
-/// oldest, giving it up after [`MARKER_PATIENCE_NS`]; then record a marker in the launch's
+/// windows say); while the maths say not to admit ([`lim::Markers::may_admit_at`]: as many
+/// as [`lim::MAX_PENDING_MARKERS`] pending, or more than [`lim::PROMPT_PENDING`] and the
+/// oldest running late), wait (napping, [`lim::marker_naps`]) for the oldest, giving it up
+/// after [`MARKER_PATIENCE_NS`]; then record a marker in the launch's
 /// stream that closes the launches admitted since the slow path last let one through
 /// ([`open_marker`] opened them), so the window times them and not this path's sleeps.
 /// Returns whether it slept.
@@ -700,7 +727,7 @@ fn pass_markers(
 ) -> bool {
     let b = &v.limiter.gpus[dev];
     let others = b.others.load(Relaxed) as f64 / lim::PPM as f64;
-    let mut nap = MARKER_NAP_NS.0;
+    let mut nap = None;
     let mut slept = false;
     loop {
         let mut sets = v.limiter.markers.lock();
@@ -708,7 +735,16 @@ fn pass_markers(
         let r = set.reap(others);
         act_on(v, dev, &r);
         let now = mono_ns();
-        if !set.maths.may_admit() && now.saturating_sub(entered) >= MARKER_PATIENCE_NS {
+        set.maths.seen(now as f64);
+        // Naps (doubling, few wake-ups) sized by the work queued behind the newest marker:
+        // back before the GPU runs out of it.
+        let (first, longest) = lim::marker_naps(set.maths.newest_paid_ns().map_or(0.0, |p| {
+            launches_paid(paid_total(b), b.debts.load(Relaxed)) as f64 - p
+        }));
+        let nap = nap.get_or_insert(first);
+        *nap = (*nap).min(longest);
+        let admit = set.maths.may_admit_at(now as f64, others);
+        if !admit && now.saturating_sub(entered) >= MARKER_PATIENCE_NS {
             log!(
                 DEBUG,
                 "GPU {dev}: the GPU did not reach a marker in {} ms; giving it up",
@@ -716,14 +752,14 @@ fn pass_markers(
             );
             set.give_up_oldest();
         }
-        if set.maths.may_admit() {
+        if admit || set.maths.may_admit_at(now as f64, others) {
             record_in(b, set, ctx, stream, class, now, true);
             return slept;
         }
         drop(sets);
-        std::thread::sleep(Duration::from_nanos(nap));
+        std::thread::sleep(Duration::from_nanos(*nap));
         slept = true;
-        nap = (nap * 2).min(MARKER_NAP_NS.1);
+        *nap *= 2;
     }
 }
 
@@ -784,10 +820,16 @@ fn act_on(v: &Vcuda, dev: usize, r: &Reached) {
     }
     let new = (new as u64).max(lim::MIN_COST_NS as u64);
     b.cost[KERNEL].store(new, Relaxed);
+    let cut = forfeit_excess(b);
     v.limiter.probed[dev][KERNEL].store(new, Relaxed);
     log!(
         DEBUG,
-        "GPU {dev}: marker windows price a launch at {new} ns (was {cur})"
+        "GPU {dev}: marker windows price a launch at {new} ns (was {cur}){}",
+        if cut > 0 {
+            format!("; {cut} ns of balance beyond the new capacity forfeited")
+        } else {
+            String::new()
+        }
     );
 }
 
@@ -1184,6 +1226,7 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
     }
     b.cost[KERNEL].store(new as u64, Relaxed);
     b.cost[GRAPH].store(c.graph_cost as u64, Relaxed);
+    forfeit_excess(b);
 
     // The rate: the share, or for an elastic container something between share and limit.
     let waits = b.waits.load(Relaxed);

@@ -27,12 +27,15 @@
 //! cannot swing it). Nothing integrates error over time, so there is no wind-up after idle
 //! phases, and idle periods (no samples, nothing paid) leave the estimate alone.
 //!
-//! **Issue 12, modelled here, not yet used by libvcuda.** A tenant can make the estimate
-//! wrong on purpose (tiny kernels, then heavy ones). [`Calibrator::settle`] charges, as
-//! debt, the device time NVML measured beyond what was paid; [`Markers`] bound the work a
-//! throttled process has queued (whatever it costs) and see a kernel-length switch as soon
-//! as the GPU reaches a marker. The simulation tests show what they hold, and what one cost
-//! estimate per process cannot (ARCHITECTURE.md).
+//! **Issue 12: a tenant gaming the estimate** (tiny kernels, then heavy ones), modelled here
+//! and run by libvcuda. [`Calibrator::settle`] charges, as debt, the device time NVML
+//! measured beyond what was paid; [`Markers`] bound the work a throttled process has queued
+//! (whatever it costs; fewer windows while the oldest runs late, [`Markers::may_admit_at`])
+//! and see a kernel-length switch as soon as the GPU reaches a marker. The simulation tests
+//! show what they hold, and what one cost estimate per process cannot (ARCHITECTURE.md).
+//! What no admission limiter can hold: launches queued at one price and run at a thousand
+//! times it are known only once the GPU has run them, so the first windows after a switch
+//! run unpaid (charged afterwards: the 10 s average holds, a 1 s window may not).
 //!
 //! **Elastic shares.** [`elastic_rate`] moves the rate between the guaranteed share and the
 //! limit: up while the device has idle capacity and the process wants more, back down to
@@ -89,6 +92,32 @@ pub const MARKER_LAUNCHES: u64 = 48;
 /// waits: with [`MARKER_LAUNCHES`], a throttled process has at most about
 /// `MAX_PENDING_MARKERS × MARKER_LAUNCHES` launches queued, whatever they cost.
 pub const MAX_PENDING_MARKERS: usize = 4;
+/// How long the slow path naps while it waits for the GPU to reach a marker, ns: the first
+/// nap and the longest, given `queued_ns`, the device time paid for behind the newest
+/// pending marker (what the GPU runs once it gets there). The host must be back before the
+/// GPU has run that, or the GPU idles: a tenant of 1 µs kernels, whose window is 48 µs of
+/// work, got half its share while it napped half a millisecond per window. Longer naps
+/// only when the windows are long (few wake-ups).
+pub fn marker_naps(queued_ns: f64) -> (u64, u64) {
+    let q = if queued_ns.is_finite() {
+        queued_ns.max(0.0)
+    } else {
+        0.0
+    } as u64;
+    let first = (q / 2).clamp(MIN_MARKER_NAP_NS, 500_000);
+    let longest = q.clamp(2_000_000, 20_000_000);
+    (first, longest)
+}
+/// The shortest nap worth taking (a sleep's own cost and granularity are tens of µs).
+pub const MIN_MARKER_NAP_NS: u64 = 50_000;
+
+/// Markers that may be pending whatever the GPU's pace ([`Markers::may_admit_at`]).
+pub const PROMPT_PENDING: usize = 2;
+/// A pending window is late once it has run this many times what it was paid for...
+pub const LATE_FACTOR: f64 = 2.0;
+/// ... plus this (ns): a sleep's granularity, so a host woken late does not count.
+pub const LATE_SLACK_NS: f64 = 100_000.0;
+
 /// A window between markers that ran this many times longer than it was paid for means the
 /// kernels got longer (at least this much device time, so host gaps cannot fake it).
 pub const SWITCH_FACTOR: f64 = 4.0;
@@ -115,11 +144,24 @@ struct Marker {
 /// The markers of one GPU: the slow path's bound on queued work and its fast detector of
 /// device time run unpaid (NVML takes up to a second to say so; a marker says it as soon as
 /// the GPU reaches it).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Markers {
     pending: VecDeque<Marker>,
     /// Paid total at the last marker the GPU reached.
     done: Option<Marker>,
+    /// Host clock when the caller first saw `done` reached ([`Markers::seen`]); NaN: not
+    /// yet. The GPU reached it at that time at the latest.
+    done_seen_ns: f64,
+}
+
+impl Default for Markers {
+    fn default() -> Self {
+        Markers {
+            pending: VecDeque::new(),
+            done: None,
+            done_seen_ns: f64::NAN,
+        }
+    }
 }
 
 impl Markers {
@@ -128,9 +170,54 @@ impl Markers {
         self.pending.len() < MAX_PENDING_MARKERS
     }
 
+    /// Whether the slow path may admit at host time `now_ns`, with `others` the fraction
+    /// of the device other processes used lately: [`may_admit`](Self::may_admit), and
+    /// beyond [`PROMPT_PENDING`] pending only while the GPU keeps to the price: the oldest
+    /// pending window not running later than [`LATE_FACTOR`] times what it was paid for
+    /// (more when others share the device) plus [`LATE_SLACK_NS`] after it was closed.
+    ///
+    /// A window running late is what a kernel-length switch looks like before any marker
+    /// can prove it: launches priced at 1 µs running 1 ms. Four pending windows of 48 such
+    /// launches queued 192 ms at once (a 10 % tenant's 1 s window 9-15 pp over); waiting
+    /// for the late one holds the queue to two windows. A window on time (the price right)
+    /// keeps all four, whose depth absorbs the host's late wake-ups (with one, a 90 %
+    /// tenant of 50 µs kernels got 63 % on a busy two-core machine). Waiting costs the
+    /// GPU nothing: it still has the window behind the late one.
+    pub fn may_admit_at(&self, now_ns: f64, others: f64) -> bool {
+        if self.pending.len() < PROMPT_PENDING {
+            return true;
+        }
+        if !self.may_admit() {
+            return false;
+        }
+        let (Some(oldest), Some(prev)) = (self.pending.front(), self.done.as_ref()) else {
+            return true;
+        };
+        let paid = (oldest.paid_ns - prev.paid_ns).max(0.0);
+        let allowed = LATE_FACTOR * paid / (1.0 - others.clamp(0.0, 0.9)) + LATE_SLACK_NS;
+        // The GPU began the window once it was closed and the one before was done (by the
+        // time that was seen at the latest).
+        let began = oldest.host_ns.max(self.done_seen_ns);
+        now_ns - began <= allowed
+    }
+
+    /// The caller looked at host time `now_ns`: the markers it found reached so far were
+    /// reached by then (the newest one's time bounds when the next window began).
+    pub fn seen(&mut self, now_ns: f64) {
+        if self.done_seen_ns.is_nan() {
+            self.done_seen_ns = now_ns;
+        }
+    }
+
     /// Markers recorded and not yet reached.
     pub fn pending(&self) -> usize {
         self.pending.len()
+    }
+
+    /// The paid total (debts left out) when the newest pending marker was recorded: what
+    /// was paid since is queued behind it.
+    pub fn newest_paid_ns(&self) -> Option<f64> {
+        self.pending.back().map(|m| m.paid_ns)
     }
 
     /// A marker was recorded with the paid total `paid_ns` (debts left out) and `cost_ns`
@@ -175,6 +262,7 @@ impl Markers {
     pub fn reached(&mut self, elapsed_ns: Option<f64>, others: f64) -> Option<Verdict> {
         let m = self.pending.pop_front()?;
         let prev = self.done.replace(m);
+        self.done_seen_ns = f64::NAN;
         let (prev, upper) = (prev?, elapsed_ns?.max(0.0));
         let lower = if m.backed {
             upper
@@ -826,6 +914,7 @@ mod tests {
                     cal.record_paid(next_tick / 1000, paid);
                     cal.record_debt(next_tick / 1000, charged);
                     cal.update();
+                    tokens = tokens.min(marker_capacity(cal.cost_ns() as u64, share_ppm));
                     next_tick += TICK;
                 }
                 while ends.front().is_some_and(|&e| e <= t) {
@@ -864,7 +953,11 @@ mod tests {
                             _ => {}
                         }
                     }
-                    if !markers.may_admit() {
+                    // A price that fell forfeits the balance beyond its capacity
+                    // (libvcuda's `forfeit_excess`).
+                    tokens = tokens.min(marker_capacity(cal.cost_ns() as u64, share_ppm));
+                    markers.seen(t as f64);
+                    if !markers.may_admit_at(t as f64, 0.0) {
                         slow = false;
                         slept = true;
                         t = marker_at
@@ -1088,6 +1181,55 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn beyond_two_pending_markers_the_slow_path_waits_for_a_window_running_late() {
+        let mut m = Markers::default();
+        // A window of 48 launches paid at 1 µs each, closed at t = 1 ms.
+        m.recorded(0.0, 1_000.0, 0.0);
+        m.reached(Some(0.0), 0.0);
+        m.seen(0.0);
+        m.recorded(48_000.0, 1_000.0, 1_000_000.0);
+        assert!(m.may_admit_at(50_000_000.0, 0.0), "one pending: always");
+        m.recorded(96_000.0, 1_000.0, 1_100_000.0);
+        // Two pending: a third only while the oldest runs within 2 × 48 µs + 100 µs.
+        assert!(m.may_admit_at(1_150_000.0, 0.0), "on time");
+        assert!(
+            !m.may_admit_at(1_250_000.0, 0.0),
+            "late: 1 ms kernels priced at 1 µs"
+        );
+        // Others on the device slow it down: it is late later.
+        assert!(m.may_admit_at(1_250_000.0, 0.5));
+        // The window began only once the one before it was seen done.
+        let mut m = Markers::default();
+        m.recorded(0.0, 1_000.0, 0.0);
+        m.recorded(48_000.0, 1_000.0, 1_000.0);
+        m.reached(Some(0.0), 0.0);
+        m.seen(5_000_000.0);
+        m.recorded(96_000.0, 1_000.0, 2_000.0);
+        m.recorded(144_000.0, 1_000.0, 3_000.0);
+        assert!(m.may_admit_at(5_150_000.0, 0.0));
+        assert!(!m.may_admit_at(5_300_000.0, 0.0));
+        // Never more than MAX_PENDING_MARKERS.
+        let mut m = Markers::default();
+        for i in 0..MAX_PENDING_MARKERS {
+            m.recorded(i as f64, 1.0, 0.0);
+        }
+        assert!(!m.may_admit_at(0.0, 0.0));
+    }
+
+    #[test]
+    fn marker_naps_end_before_the_queued_work_does() {
+        assert_eq!(
+            marker_naps(48_000.0).0,
+            MIN_MARKER_NAP_NS,
+            "1 µs kernels: short naps"
+        );
+        assert_eq!(marker_naps(400_000.0).0, 200_000);
+        assert_eq!(marker_naps(48_000_000.0), (500_000, 20_000_000));
+        assert_eq!(marker_naps(f64::NAN), (MIN_MARKER_NAP_NS, 2_000_000));
+        assert_eq!(marker_naps(-5.0).0, MIN_MARKER_NAP_NS);
     }
 
     #[test]
