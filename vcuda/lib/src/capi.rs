@@ -20,14 +20,23 @@ pub extern "C" fn vcuda_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
+/// -1 as the C API returns it: GPU use is refused, or libvcuda failed.
+const REFUSED: u32 = u32::MAX;
+
+/// Run a C API body: a panic (a bug in libvcuda) returns -1, the API's documented error,
+/// not the driver APIs' 999 (a count of 999 GPUs).
+fn api(f: impl FnOnce() -> u32) -> c_int {
+    crate::ffi::catch_or(REFUSED, f) as c_int
+}
+
 /// How many GPUs the container is given, or -1 if GPU use is refused (config or region
 /// problem; the reason was printed on stderr).
 #[unsafe(no_mangle)]
 pub extern "C" fn vcuda_device_count() -> c_int {
-    crate::ffi::catch(|| match crate::init::vc() {
+    api(|| match crate::init::vc() {
         Ok(v) => v.limits.len() as u32,
-        Err(_) => u32::MAX,
-    }) as c_int
+        Err(_) => REFUSED,
+    })
 }
 
 /// Fill `out` with the memory figures of the container's GPU `index` (config order).
@@ -37,9 +46,9 @@ pub extern "C" fn vcuda_device_count() -> c_int {
 /// `out` is NULL or points to writable memory for one `VcudaMemory`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn vcuda_get_memory(index: c_int, out: *mut VcudaMemory) -> c_int {
-    crate::ffi::catch(|| {
+    api(|| {
         let Ok(v) = crate::init::vc() else {
-            return u32::MAX;
+            return REFUSED;
         };
         let Some(dev) = usize::try_from(index).ok().filter(|&d| d < v.limits.len()) else {
             return (-2i32) as u32;
@@ -57,12 +66,21 @@ pub unsafe extern "C" fn vcuda_get_memory(index: c_int, out: *mut VcudaMemory) -
             })
         };
         0
-    }) as c_int
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;
+
+    /// A panic inside the C API answers its documented error, -1 (issue 14: it answered
+    /// 999, which `vcuda_device_count`'s caller reads as 999 GPUs).
+    #[test]
+    fn a_panic_in_the_c_api_returns_minus_one() {
+        assert_eq!(super::api(|| panic!("a bug")), -1);
+        assert_eq!(super::api(|| 3), 3);
+        assert_eq!(super::api(|| (-2i32) as u32), -2);
+    }
 
     /// include/vcuda.h is what cbindgen makes of this file now.
     #[test]

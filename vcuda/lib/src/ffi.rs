@@ -56,9 +56,16 @@ pub const PANIC_RESULT: u32 = 999;
 /// Run a wrapper body; a panic becomes [`PANIC_RESULT`].
 #[inline(always)]
 pub fn catch(f: impl FnOnce() -> u32) -> u32 {
+    catch_or(PANIC_RESULT, f)
+}
+
+/// Run a body whose API has its own error value for "something went wrong" (libvcuda's C
+/// API: -1); a panic becomes `on_panic`.
+#[inline(always)]
+pub fn catch_or(on_panic: u32, f: impl FnOnce() -> u32) -> u32 {
     match std::panic::catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
-        Err(_) => PANIC_RESULT,
+        Err(_) => on_panic,
     }
 }
 
