@@ -77,17 +77,36 @@ impl Drop for Pass {
 /// Bind the control socket (replacing a stale one), world-connectable: which container a
 /// process belongs to is checked per message, not by file permissions.
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    let l = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
-    Ok(l)
+    bind_with_mode(path, 0o666)
+}
+
+/// Bind a socket at `path` that is never reachable with another mode than `mode`: bound in
+/// a fresh directory only the manager can enter (0700), given its mode there, then renamed
+/// into place (replacing a stale socket atomically). Bound at `path` and chmod-ed after, the
+/// host's query socket was connectable by anyone, whatever the umask, until the chmod.
+fn bind_with_mode(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::DirBuilderExt;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let private = dir.join(format!(
+        ".{name}.bind-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let staged = private.join("socket");
+    let bound = (|| {
+        let l = UnixListener::bind(&staged)?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))?;
+        std::fs::rename(&staged, path)?;
+        Ok(l)
+    })();
+    let _ = std::fs::remove_file(&staged);
+    let _ = std::fs::remove_dir(&private);
+    bound
 }
 
 /// Which socket a connection came in on.
@@ -100,11 +119,10 @@ pub enum Scope {
     Node,
 }
 
-/// Bind the host's query socket (replacing a stale one), for root only.
+/// Bind the host's query socket (replacing a stale one), for root only: mode 0600 from the
+/// moment it is reachable at `path`.
 pub fn bind_host(path: &Path) -> std::io::Result<UnixListener> {
-    let l = bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(l)
+    bind_with_mode(path, 0o600)
 }
 
 /// Serve until the task is dropped. Each connection carries one exchange (a request and
@@ -304,5 +322,45 @@ fn query(
                 format!("allocation {id} is not in the manager's view yet (started in the last fraction of a second?); try again")
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileTypeExt;
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::metadata(p)
+            .expect("socket exists")
+            .permissions()
+            .mode()
+            & 0o777
+    }
+
+    /// The host's query socket is 0600 and the containers' socket 0666 from the moment
+    /// either exists at its path (issue 14: the query socket was bound 0666 and chmod-ed
+    /// after); a stale socket is replaced; nothing of the staging is left behind.
+    #[tokio::test]
+    async fn sockets_appear_with_their_mode_and_replace_a_stale_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = dir.path().join("query.sock");
+        let l = bind_host(&host).expect("bind the query socket");
+        assert!(std::fs::metadata(&host).unwrap().file_type().is_socket());
+        assert_eq!(mode(&host), 0o600);
+        UnixStream::connect(&host).await.expect("connectable");
+        drop(l);
+        // Bound again over the stale file (a restart).
+        let _l = bind_host(&host).expect("bind over a stale socket");
+        assert_eq!(mode(&host), 0o600);
+        let ctl = dir.path().join("vcuda.sock");
+        let _c = bind(&ctl).expect("bind the control socket");
+        assert_eq!(mode(&ctl), 0o666);
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["query.sock", "vcuda.sock"]);
     }
 }
