@@ -837,6 +837,38 @@ mod tests {
         (d, r)
     }
 
+    /// Descriptors of this process open on `path`.
+    fn fds_on(path: &Path) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|t| t == path)
+            .count()
+    }
+
+    /// One descriptor per open region, closed with it, and none left by a refused open
+    /// (issue 14: an earlier `open_or_create` leaked one per call, one per PreStartContainer
+    /// for the manager's whole life).
+    #[test]
+    fn a_region_owns_exactly_one_descriptor_and_closes_it() {
+        let d = tempfile::tempdir().unwrap();
+        // /proc/self/fd links name the canonical path.
+        let p = d.path().canonicalize().unwrap().join("region");
+        drop(Region::open_or_create(&p, &[U0]).unwrap());
+        assert_eq!(fds_on(&p), 0);
+        let rs: Vec<Region> = (0..20)
+            .map(|_| Region::open_or_create(&p, &[U0]).unwrap())
+            .collect();
+        assert_eq!(fds_on(&p), 20);
+        drop(rs);
+        assert_eq!(fds_on(&p), 0);
+        // Refused (a file it cannot use): nothing stays open.
+        let q = d.path().canonicalize().unwrap().join("garbage");
+        std::fs::write(&q, [7u8; 16]).unwrap();
+        assert!(Region::open_or_create(&q, &[U0]).is_err());
+        assert_eq!(fds_on(&q), 0);
+    }
+
     #[test]
     fn run_time_shares_are_seen_by_every_opener() {
         let (d, r) = region();
