@@ -12,6 +12,7 @@
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::OnceLock;
 
 use crate::hooks;
 
@@ -56,23 +57,44 @@ pub unsafe fn real_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
     unsafe { std::mem::transmute::<usize, DlsymFn>(f)(handle, name.as_ptr()) }
 }
 
-/// Whether `addr` lies in a library whose file name starts with `prefix`s.
-fn in_library(addr: *mut c_void, prefixes: &[&[u8]]) -> bool {
+/// The file name of the library `addr` lies in (without its directory), if any.
+fn library_of(addr: *mut c_void) -> Option<&'static [u8]> {
     // SAFETY: Dl_info is plain data dladdr fills in.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
     // SAFETY: dladdr only reads the loader's tables.
     if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
-        return false;
+        return None;
     }
-    // SAFETY: dli_fname is a NUL-terminated path owned by the loader.
+    // SAFETY: dli_fname is a NUL-terminated path owned by the loader, which keeps it while
+    // the library is loaded (a real driver library is never unloaded).
     let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_bytes();
-    let base = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
-    prefixes.iter().any(|p| base.starts_with(p))
+    Some(path.rsplit(|&b| b == b'/').next().unwrap_or(path))
 }
 
-/// The real libraries' names, as the config gives them (defaults until it is read).
-pub fn real_lib_prefixes() -> [&'static [u8]; 2] {
-    [b"libcuda.so", b"libnvidia-ml.so"]
+/// The real libraries' usual file names (prefixes: `libcuda.so.1`, `libcuda.so.550.54`).
+const DEFAULT_PREFIXES: [&[u8]; 2] = [b"libcuda.so", b"libnvidia-ml.so"];
+
+/// The file names the config gives the real libraries (`cuda_library`, `nvml_library`),
+/// set by the library constructor and at start ([`set_real_libraries`]). Read lock-free.
+static CONFIGURED: OnceLock<[Box<[u8]>; 2]> = OnceLock::new();
+
+/// Note the config's names for the real libraries: a lookup in a library of that name is a
+/// lookup in the real driver, whatever it is called (before, only the usual names counted,
+/// so a driver configured as, say, `libcuda-vendor.so.1` escaped the hook for `dlsym` on
+/// its handle).
+pub fn set_real_libraries(cuda: &str, nvml: &str) {
+    let base = |s: &str| -> Box<[u8]> {
+        let b = s.as_bytes();
+        b.rsplit(|&c| c == b'/').next().unwrap_or(b).into()
+    };
+    let _ = CONFIGURED.set([base(cuda), base(nvml)]);
+}
+
+/// Whether a library file named `base` is one of the real libraries: a usual name, or the
+/// config's.
+fn is_real_library(base: &[u8], configured: Option<&[Box<[u8]>; 2]>) -> bool {
+    DEFAULT_PREFIXES.iter().any(|p| base.starts_with(p))
+        || configured.is_some_and(|c| c.iter().any(|n| !n.is_empty() && **n == *base))
 }
 
 /// What our `dlsym` returns instead of the real one: our wrapper for a hooked CUDA/NVML
@@ -99,7 +121,9 @@ extern "C" fn decide(handle: *mut c_void, name: *const c_char) -> usize {
     if p.is_null() {
         return 0; // let the real dlsym report the failure through dlerror
     }
-    if std::ptr::eq(p as *const (), hook.wrapper) || in_library(p, &real_lib_prefixes()) {
+    if std::ptr::eq(p as *const (), hook.wrapper)
+        || library_of(p).is_some_and(|b| is_real_library(b, CONFIGURED.get()))
+    {
         hook.wrapper as usize
     } else {
         p as usize
@@ -180,4 +204,28 @@ pub fn open_library(name: &str) -> Result<*mut c_void, String> {
         return Err(msg);
     }
     Ok(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_real_libraries_are_the_usual_names_or_the_configs() {
+        assert!(is_real_library(b"libcuda.so.1", None));
+        assert!(is_real_library(b"libcuda.so.550.54.14", None));
+        assert!(is_real_library(b"libnvidia-ml.so.1", None));
+        assert!(!is_real_library(b"libcudart.so.12", None));
+        assert!(!is_real_library(b"libcuda-vendor.so.1", None));
+        let configured: [Box<[u8]>; 2] = [
+            b"libcuda-vendor.so.1".as_slice().into(),
+            b"".as_slice().into(),
+        ];
+        assert!(is_real_library(b"libcuda-vendor.so.1", Some(&configured)));
+        assert!(!is_real_library(b"libcuda-vendor.so.2", Some(&configured)));
+        assert!(
+            !is_real_library(b"", Some(&configured)),
+            "an empty name matches nothing"
+        );
+    }
 }

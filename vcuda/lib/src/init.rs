@@ -148,6 +148,7 @@ fn start_inner() -> Result<Vcuda, Failure> {
     let fail = |msg: String| Failure { msg };
     let path = ContainerConfig::path_from_env();
     let cfg = ContainerConfig::load(&path).map_err(|e| fail(e.to_string()))?;
+    crate::dlsym::set_real_libraries(&cfg.cuda_library, &cfg.nvml_library);
     let cuda = crate::dlsym::open_library(&cfg.cuda_library).map_err(|e| {
         fail(format!(
             "vcuda: config {}: cannot load the CUDA driver {:?} ({e}); GPU use is refused",
@@ -484,6 +485,7 @@ pub fn restrict_visible_devices(cfg: &ContainerConfig) {
 extern "C" fn constructor() {
     let _ = std::panic::catch_unwind(|| {
         if let Ok(cfg) = ContainerConfig::load(&ContainerConfig::path_from_env()) {
+            crate::dlsym::set_real_libraries(&cfg.cuda_library, &cfg.nvml_library);
             restrict_visible_devices(&cfg);
         }
     });
