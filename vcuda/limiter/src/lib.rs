@@ -95,9 +95,9 @@ pub const MAX_PENDING_MARKERS: usize = 4;
 /// How long the slow path naps while it waits for the GPU to reach a marker, ns: the first
 /// nap and the longest, given `queued_ns`, the device time paid for behind the newest
 /// pending marker (what the GPU runs once it gets there). The host must be back before the
-/// GPU has run that, or the GPU idles: a tenant of 1 µs kernels, whose window is 48 µs of
-/// work, got half its share while it napped half a millisecond per window. Longer naps
-/// only when the windows are long (few wake-ups).
+/// GPU has run that, or the GPU idles: a window of 48 launches of 1 µs kernels is 48 µs of
+/// work, which a fixed first nap of half a millisecond would leave the GPU idle for most of
+/// the time. Longer naps only when the windows are long (few wake-ups).
 pub fn marker_naps(queued_ns: f64) -> (u64, u64) {
     let q = if queued_ns.is_finite() {
         queued_ns.max(0.0)
