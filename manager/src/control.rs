@@ -85,6 +85,7 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
 /// into place (replacing a stale socket atomically). Bound at `path` and chmod-ed after, the
 /// host's query socket was connectable by anyone, whatever the umask, until the chmod.
 fn bind_with_mode(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
+    use std::os::fd::AsRawFd;
     use std::os::unix::fs::DirBuilderExt;
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -97,9 +98,13 @@ fn bind_with_mode(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
     std::fs::DirBuilder::new().mode(0o700).create(&private)?;
-    let staged = private.join("socket");
+    let staged = private.join("s");
     let bound = (|| {
-        let l = UnixListener::bind(&staged)?;
+        // Bound through the directory's descriptor: a socket path may hold only 107 bytes,
+        // and the staging path is longer than the socket's own.
+        let dirfd = std::fs::File::open(&private)?;
+        let short = PathBuf::from(format!("/proc/self/fd/{}/s", dirfd.as_raw_fd()));
+        let l = UnixListener::bind(&short)?;
         std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))?;
         std::fs::rename(&staged, path)?;
         Ok(l)
@@ -343,8 +348,12 @@ mod tests {
     /// after); a stale socket is replaced; nothing of the staging is left behind.
     #[tokio::test]
     async fn sockets_appear_with_their_mode_and_replace_a_stale_one() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let host = dir.path().join("query.sock");
+        let top = tempfile::tempdir().expect("tempdir");
+        // Deep enough that a staging directory beside the socket would pass the 107 bytes
+        // a socket path may hold (the e2e tests' paths are this long).
+        let dir = top.path().join("d".repeat(40)).join("e".repeat(30));
+        std::fs::create_dir_all(&dir).unwrap();
+        let host = dir.join("query.sock");
         let l = bind_host(&host).expect("bind the query socket");
         assert!(std::fs::metadata(&host).unwrap().file_type().is_socket());
         assert_eq!(mode(&host), 0o600);
@@ -353,10 +362,10 @@ mod tests {
         // Bound again over the stale file (a restart).
         let _l = bind_host(&host).expect("bind over a stale socket");
         assert_eq!(mode(&host), 0o600);
-        let ctl = dir.path().join("vcuda.sock");
+        let ctl = dir.join("vcuda.sock");
         let _c = bind(&ctl).expect("bind the control socket");
         assert_eq!(mode(&ctl), 0o666);
-        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
