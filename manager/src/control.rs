@@ -372,4 +372,21 @@ mod tests {
         names.sort();
         assert_eq!(names, ["query.sock", "vcuda.sock"]);
     }
+
+    /// Whatever sits at the socket's path (a symlink to a file the manager can write, say)
+    /// is replaced, never followed: the rename swaps the name, the target is untouched.
+    #[tokio::test]
+    async fn a_symlink_planted_at_the_socket_path_is_replaced_not_followed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let target = dir.path().join("precious");
+        std::fs::write(&target, b"keep").unwrap();
+        let path = dir.path().join("query.sock");
+        std::os::unix::fs::symlink(&target, &path).unwrap();
+        let _l = bind_host(&path).expect("bind over the symlink");
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert!(meta.file_type().is_socket(), "{:?}", meta.file_type());
+        assert_eq!(mode(&path), 0o600);
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        assert!(std::fs::metadata(&target).unwrap().is_file());
+    }
 }
