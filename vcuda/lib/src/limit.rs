@@ -126,6 +126,10 @@ pub struct Limiter {
     /// A probe's (or a marker window's) measurement (ns) for the controller to take over,
     /// 0 = none.
     probed: [[AtomicU64; CLASSES]; MAX_GPUS],
+    /// When marker windows last raised the kernel price (wall µs, 0 = not since the
+    /// controller looked): the calibration reads the NVML period holding it as a filling
+    /// one ([`lim::Calibrator::raised_at`]).
+    raised_us: [AtomicU64; MAX_GPUS],
     /// Markers per GPU; taken only on the slow path, never held while sleeping.
     markers: Mutex<[MarkerSet; MAX_GPUS]>,
     /// When this limiter (or, in a forked child, its fresh start) was made, wall µs: before
@@ -140,6 +144,7 @@ impl Limiter {
             gpus: Default::default(),
             probes: Mutex::new([[Probe::Idle; CLASSES]; MAX_GPUS]),
             probed: Default::default(),
+            raised_us: Default::default(),
             markers: Mutex::new(Default::default()),
             born_us: AtomicU64::new(wall_us()),
         };
@@ -822,6 +827,9 @@ fn act_on(v: &Vcuda, dev: usize, r: &Reached) {
     b.cost[KERNEL].store(new, Relaxed);
     let cut = forfeit_excess(b);
     v.limiter.probed[dev][KERNEL].store(new, Relaxed);
+    if new > cur {
+        v.limiter.raised_us[dev].store(wall_us(), Relaxed);
+    }
     log!(
         DEBUG,
         "GPU {dev}: marker windows price a launch at {new} ns (was {cur}){}",
@@ -1182,6 +1190,10 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
     let kp = v.limiter.probed[dev][KERNEL].swap(0, Relaxed);
     if kp != 0 {
         c.cal.set_cost(kp as f64);
+    }
+    let raised = v.limiter.raised_us[dev].swap(0, Relaxed);
+    if raised != 0 {
+        c.cal.raised_at(raised);
     }
     let gp = v.limiter.probed[dev][GRAPH].swap(0, Relaxed);
     if gp != 0 {

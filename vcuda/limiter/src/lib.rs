@@ -122,6 +122,16 @@ pub const LATE_SLACK_NS: f64 = 100_000.0;
 /// kernels got longer (at least this much device time, so host gaps cannot fake it).
 pub const SWITCH_FACTOR: f64 = 4.0;
 pub const MIN_SWITCH_NS: f64 = 1_000_000.0;
+/// Once a window proved a switch, the next [`FOLLOW_WINDOWS`] windows are judged against
+/// this factor instead of [`SWITCH_FACTOR`]: the window that proved it held launches of
+/// both lengths, so its average under-prices the new ones (1 µs kernels switching to 1 ms
+/// priced at 0.27-0.68 ms), and a price 1.5x too low is below [`SWITCH_FACTOR`]'s reach.
+/// NVML's 1 s samples then took 5 s to correct it, a 20 % tenant running 27-33 % for a
+/// second (CI, 2026-11-27). Right after a proven switch a smaller gap is credible.
+pub const FOLLOW_FACTOR: f64 = 1.25;
+/// Windows judged against [`FOLLOW_FACTOR`] after a proven switch (each one that proves
+/// another starts the count again).
+pub const FOLLOW_WINDOWS: u8 = 8;
 
 /// A marker: an event the slow path records in the launching stream, which the GPU reaches
 /// once every launch before it has run.
@@ -152,6 +162,8 @@ pub struct Markers {
     /// Host clock when the caller first saw `done` reached ([`Markers::seen`]); NaN: not
     /// yet. The GPU reached it at that time at the latest.
     done_seen_ns: f64,
+    /// Windows still judged against [`FOLLOW_FACTOR`] (a switch was proved lately).
+    follow: u8,
 }
 
 impl Default for Markers {
@@ -160,6 +172,7 @@ impl Default for Markers {
             pending: VecDeque::new(),
             done: None,
             done_seen_ns: f64::NAN,
+            follow: 0,
         }
     }
 }
@@ -254,9 +267,10 @@ impl Markers {
     /// else by itself less the host's time between the two records (the GPU can only have
     /// idled while the host had not queued them yet). Says:
     /// - [`Verdict::Underpaid`]: at least [`SWITCH_FACTOR`] times what was paid ran (more
-    ///   when others share the device), and at least [`MIN_SWITCH_NS`]: charge what ran
-    ///   unpaid at once (an advance on what NVML will measure: [`Calibrator::settle`]
-    ///   refunds what it does not confirm) and price a launch at least at the window's;
+    ///   when others share the device; [`FOLLOW_FACTOR`] in the [`FOLLOW_WINDOWS`] after
+    ///   such a verdict), and at least [`MIN_SWITCH_NS`]: charge what ran unpaid at once
+    ///   (an advance on what NVML will measure: [`Calibrator::settle`] refunds what it
+    ///   does not confirm) and price a launch at least at the window's;
     /// - [`Verdict::Overpaid`]: at most a [`SWITCH_FACTOR`]th of what was paid (at least
     ///   [`MIN_SWITCH_NS`] of it) can have run: a launch costs at most the window's.
     pub fn reached(&mut self, elapsed_ns: Option<f64>, others: f64) -> Option<Verdict> {
@@ -277,8 +291,15 @@ impl Markers {
         }
         let launches = (paid / prev.cost_ns.max(MIN_COST_NS)).max(1.0);
         let paid = paid.max(prev.cost_ns);
-        let factor = SWITCH_FACTOR / (1.0 - others.clamp(0.0, 0.9));
+        let base = if self.follow > 0 {
+            self.follow -= 1;
+            FOLLOW_FACTOR
+        } else {
+            SWITCH_FACTOR
+        };
+        let factor = base / (1.0 - others.clamp(0.0, 0.9));
         if lower >= MIN_SWITCH_NS && lower >= factor * paid {
+            self.follow = FOLLOW_WINDOWS;
             return Some(Verdict::Underpaid(Unpaid {
                 per_launch_ns: (lower / launches).clamp(MIN_COST_NS, MAX_COST_NS),
                 debt_ns: lower - paid,
@@ -336,8 +357,9 @@ struct Evidence {
     launches: f64,
     span_ns: f64,
     /// The period began at or before the origin (or before the probe's lump was paid,
-    /// `fill_until_us`): the queue filled in it, so some work paid in it had not run by its
-    /// end, and it reads the cost low.
+    /// `fill_until_us`), or the price was raised within it (`raised_at_us`): the queue
+    /// filled in it, so some work paid in it had not run by its end, and it reads the cost
+    /// low.
     filling: bool,
 }
 
@@ -373,6 +395,9 @@ pub struct Calibrator {
     /// later if launches admitted before their cost was known were paid as a lump
     /// ([`Calibrator::paid_unpriced_by`]).
     fill_until_us: u64,
+    /// When the price was last raised by a direct measurement (wall µs;
+    /// [`Calibrator::raised_at`]).
+    raised_at_us: Option<u64>,
 }
 
 impl Default for Calibrator {
@@ -394,6 +419,7 @@ impl Calibrator {
             sampled_to_us: 0,
             origin: false,
             fill_until_us: 0,
+            raised_at_us: None,
         }
     }
 
@@ -436,6 +462,18 @@ impl Calibrator {
         }
     }
 
+    /// The price was raised at wall time `t_us` by a direct measurement (marker windows
+    /// proved longer kernels; [`Calibrator::set_cost`] follows): the queue, bounded in
+    /// launches, then refilled with longer ones, so work paid in the period holding `t_us`
+    /// was still queued at its end and reads the cost low, like the origin's period. With
+    /// NVML's 1 s samples that period read a switch from 1 µs to 1 ms kernels as 0.72 ms,
+    /// the estimate fell from the markers' 1 ms, and stayed low for the 6 s the period
+    /// stayed in the window: a 20 % tenant ran 25-28 % in a second while the ledger
+    /// charged the difference back (CI, 2026-11-27).
+    pub fn raised_at(&mut self, t_us: u64) {
+        self.raised_at_us = Some(t_us);
+    }
+
     /// Total paid at wall time `t_us`, interpolated between ticks.
     fn paid_at(&self, t_us: u64) -> Option<f64> {
         let i = self.paid.iter().position(|&(t, _)| t >= t_us)?;
@@ -464,7 +502,11 @@ impl Calibrator {
         };
         let paid = (p1 - p0).max(0.0);
         let busy = f64::from(util_pct.min(100)) / 100.0 * period_us as f64 * 1000.0;
-        let filling = self.origin && end_us.saturating_sub(period_us) <= self.fill_until_us;
+        let start_us = end_us.saturating_sub(period_us);
+        let filling = (self.origin && start_us <= self.fill_until_us)
+            || self
+                .raised_at_us
+                .is_some_and(|r| start_us <= r && r < end_us);
         self.evidence.push_back(Evidence {
             busy_ns: busy,
             launches: paid / self.cost_ns,
@@ -943,6 +985,7 @@ mod tests {
                                 tokens -= u.debt_ns as i64;
                                 if u.per_launch_ns > cal.cost_ns() {
                                     cal.set_cost(u.per_launch_ns);
+                                    cal.raised_at(t / 1000);
                                 }
                             }
                             Some(Verdict::Overpaid { per_launch_ns })
@@ -1311,6 +1354,61 @@ mod tests {
     }
 
     #[test]
+    fn after_a_proven_switch_a_window_priced_too_low_by_half_is_charged_too() {
+        // Every window is backed (the GPU behind): its GPU time is its device time.
+        fn window(m: &mut Markers, paid_at: f64, cost: f64) {
+            m.recorded(paid_at, cost, 0.0);
+        }
+        // 48 launches at 1 µs, of which 28 switched to 1 ms: 28 ms ran, 48 µs were paid.
+        // (A marker's cost is what the launches after it paid: here the verdict's price.)
+        let mut m = Markers::default();
+        window(&mut m, 0.0, 1_000.0);
+        window(&mut m, 48_000.0, 583_333.3);
+        m.reached(None, 0.0);
+        let Some(Verdict::Underpaid(u)) = m.reached(Some(28_000_000.0), 0.0) else {
+            panic!("a 580x switch is proved")
+        };
+        // The window's average under-prices the new kernels: 583 µs, not 1 ms.
+        assert!((u.per_launch_ns - 583_333.3).abs() < 1.0, "{u:?}");
+        // The next window, 48 launches of 1 ms paid at 583 µs, ran 1.7x what it paid: below
+        // SWITCH_FACTOR, but right after a switch it is charged and repriced.
+        window(&mut m, 48_000.0 + 48.0 * u.per_launch_ns, 1_000_000.0);
+        let Some(Verdict::Underpaid(next)) = m.reached(Some(48_000_000.0), 0.0) else {
+            panic!("1.7x under the price right after a switch is charged")
+        };
+        assert!((next.per_launch_ns - 1_000_000.0).abs() < 1.0, "{next:?}");
+        assert!((next.debt_ns - 20_000_000.0).abs() < 1.0, "{next:?}");
+
+        // Without a switch before it, the same window proves nothing (a price that far off
+        // is NVML's to correct: a marker's window is too short to tell it from noise).
+        let mut m = Markers::default();
+        window(&mut m, 0.0, 583_333.3);
+        window(&mut m, 48.0 * 583_333.3, 583_333.3);
+        m.reached(None, 0.0);
+        assert_eq!(m.reached(Some(48_000_000.0), 0.0), None);
+
+        // The closer look lasts FOLLOW_WINDOWS windows that prove nothing more.
+        let mut m = Markers::default();
+        window(&mut m, 0.0, 1_000.0);
+        window(&mut m, 48_000.0, 1_000_000.0);
+        m.reached(None, 0.0);
+        assert!(m.reached(Some(28_000_000.0), 0.0).is_some());
+        let mut paid = 48_000.0;
+        for _ in 0..FOLLOW_WINDOWS {
+            paid += 48_000_000.0;
+            window(&mut m, paid, 1_000_000.0);
+            assert_eq!(m.reached(Some(48_000_000.0), 0.0), None, "priced right");
+        }
+        paid += 48_000_000.0;
+        window(&mut m, paid, 1_000_000.0);
+        assert_eq!(
+            m.reached(Some(72_000_000.0), 0.0),
+            None,
+            "1.5x, long after the switch"
+        );
+    }
+
+    #[test]
     fn a_window_that_ran_far_shorter_than_paid_lowers_the_price() {
         // 1000 launches paid at 1 ms each (1 s); the GPU passed both markers 2 ms apart, so
         // they took 2 µs each at most, whatever the host did meanwhile.
@@ -1468,6 +1566,38 @@ mod ledger_and_fill {
             lowest >= 0.97 * len as f64,
             "estimate fell to {lowest:.0} ns"
         );
+    }
+
+    /// Kernels switch from 1 µs to 1 ms; marker windows prove it and raise the price to
+    /// 1 ms at 1.8 s. With NVML's 1 s samples, the period holding the raise was paid 190 ms
+    /// (the tenant's 20 % share plus a queue refilled with long kernels) and ran 60 ms of
+    /// them: it reads the cost at a third. Noted as the raise's period, it cannot lower it.
+    #[test]
+    fn the_period_a_price_was_raised_in_does_not_lower_it() {
+        let run = |note: bool| {
+            let mut c = Calibrator::new(1_000.0);
+            c.record_origin(0, 0);
+            c.record_paid(1_000_000, 20_000_000);
+            c.set_cost(1_000_000.0);
+            if note {
+                c.raised_at(1_800_000);
+            }
+            let mut lowest = f64::MAX;
+            // Paid by the end of each second: the raise's second 190 ms, then 200 ms each.
+            let mut paid = 20_000_000 + 190_000_000;
+            for (end_s, util) in [(2u64, 6u32), (3, 20), (4, 20), (5, 20), (6, 20)] {
+                c.record_paid(end_s * 1_000_000, paid);
+                assert!(c.sample(end_s * 1_000_000, 1_000_000, util));
+                lowest = lowest.min(c.update());
+                paid += 200_000_000;
+            }
+            lowest
+        };
+        let lowest = run(true);
+        assert!(lowest >= 0.97e6, "estimate fell to {lowest:.0} ns");
+        // Read as evidence like any other, it drags the estimate down for seconds.
+        let unnoted = run(false);
+        assert!(unnoted < 0.8e6, "{unnoted:.0} ns");
     }
 
     /// The same tenant's first launches admitted free while the probe timed them, and
