@@ -8,6 +8,8 @@
 //! meaning or a required field is added, so a reader can refuse what it does not understand.
 //! Unknown fields are ignored on read (a newer writer may add optional ones).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

@@ -8,6 +8,8 @@
 //! `../shared/upstream/`. prost renames a few fields (`deviceIDs` → `device_i_ds`, `ID` → `id`);
 //! names never travel on the wire.
 
+#![forbid(unsafe_code)]
+
 /// Device plugin API, package `v1beta1` (`k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`).
 pub mod deviceplugin {
     /// Generated from `deviceplugin/v1beta1/api.proto`.

@@ -25,6 +25,8 @@
 //! - [`listen`] — the HTTPS listener: kube-scheduler's client certificate required,
 //!   handshake/header/body deadlines, a connection cap.
 
+#![forbid(unsafe_code)]
+
 pub mod admission;
 pub mod bind;
 pub mod eligibility;

@@ -1,5 +1,7 @@
 //! `vcuda-scheduler`: the kube-scheduler extender service (filter, prioritize, bind).
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

@@ -9,6 +9,8 @@
 //! - [`checkpoint`], [`merge`], [`names`]: pure pieces (file shape, response merging,
 //!   registration validation).
 
+#![forbid(unsafe_code)]
+
 pub mod api;
 pub mod checkpoint;
 pub mod control;

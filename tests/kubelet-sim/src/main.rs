@@ -1,5 +1,7 @@
 //! `kubelet-sim`: run the simulated kubelet device manager, or drive a running one.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::sync::Arc;
 

@@ -12,7 +12,8 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{
-    AtomicBool, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+    AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering::Acquire, Ordering::Relaxed,
+    Ordering::Release,
 };
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -48,6 +49,43 @@ pub struct Objects {
     pub graph_nodes_seen: bool,
 }
 
+/// CUDA ordinal → config index, as the driver showed it after `cuInit`: a launch of a
+/// multi-GPU process looks its GPU up here, so reads take no lock. Written once per
+/// successful `cuInit` (the same answer each time); `len` is published last.
+#[derive(Default)]
+struct Visible {
+    /// Ordinals the driver shows, plus one; 0 = not yet known (ordinals follow the config).
+    len_plus_one: AtomicUsize,
+    /// Config index of each ordinal below that.
+    map: [AtomicU8; MAX_GPUS],
+}
+
+/// A published view of [`Visible`].
+struct VisibleView<'a> {
+    len: usize,
+    map: &'a [AtomicU8; MAX_GPUS],
+}
+
+impl Visible {
+    fn get(&self) -> Option<VisibleView<'_>> {
+        match self.len_plus_one.load(Acquire) {
+            0 => None,
+            n => Some(VisibleView {
+                len: (n - 1).min(MAX_GPUS),
+                map: &self.map,
+            }),
+        }
+    }
+
+    fn set(&self, vis: &[usize]) {
+        for (slot, &d) in self.map.iter().zip(vis) {
+            slot.store(u8::try_from(d).unwrap_or(u8::MAX), Relaxed);
+        }
+        self.len_plus_one
+            .store(vis.len().min(MAX_GPUS) + 1, Release);
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct Vmm {
     pub bytes: u64,
@@ -67,8 +105,9 @@ pub struct Vcuda {
     me: AtomicU64,
     pub allocs: AllocTable,
     pub objs: Mutex<Objects>,
-    /// CUDA ordinal → config index, once the driver is initialised.
-    pub visible: Mutex<Vec<usize>>,
+    /// CUDA ordinal → config index, once the driver is initialised (read on every launch of
+    /// a multi-GPU process: lock-free).
+    visible: Visible,
     /// Config index the single visible GPU has (fast path), or usize::MAX.
     single: AtomicU64,
     /// Real NVML handles of the config's GPUs (config order), once NVML is initialised.
@@ -189,7 +228,7 @@ fn start_inner() -> Result<Vcuda, Failure> {
         me: AtomicU64::new(pack(me)),
         allocs: AllocTable::new(16),
         objs: Mutex::new(Objects::default()),
-        visible: Mutex::new(Vec::new()),
+        visible: Visible::default(),
         single: AtomicU64::new(u64::MAX),
         nvml_handles: OnceLock::new(),
         pool_sync: parking_lot::RwLock::new(()),
@@ -358,21 +397,22 @@ impl Vcuda {
 
     /// The CUDA ordinal of config GPU `dev`, if the driver shows it.
     pub fn ordinal_of(&self, dev: usize) -> Option<CUdevice> {
-        let vis = self.visible.lock();
-        if vis.is_empty() {
-            return Some(dev as CUdevice);
+        match self.visible.get() {
+            None => Some(dev as CUdevice),
+            Some(vis) => (0..vis.len)
+                .find(|&o| usize::from(vis.map[o].load(Relaxed)) == dev)
+                .map(|o| o as CUdevice),
         }
-        vis.iter().position(|&d| d == dev).map(|o| o as CUdevice)
     }
 
     /// Config index of CUDA ordinal `ord`.
     pub fn dev_of_ordinal(&self, ord: CUdevice) -> Option<usize> {
-        let vis = self.visible.lock();
-        if vis.is_empty() {
+        let ord = usize::try_from(ord).ok()?;
+        match self.visible.get() {
             // Before cuInit was verified: ordinals follow the config.
-            return (ord >= 0 && (ord as usize) < self.limits.len()).then_some(ord as usize);
+            None => (ord < self.limits.len()).then_some(ord),
+            Some(vis) => (ord < vis.len).then(|| usize::from(vis.map[ord].load(Relaxed))),
         }
-        vis.get(usize::try_from(ord).ok()?).copied()
     }
 
     /// Record what the driver shows after a successful real `cuInit`, or refuse.
@@ -399,7 +439,7 @@ impl Vcuda {
             },
             Relaxed,
         );
-        *self.visible.lock() = vis;
+        self.visible.set(&vis);
         Ok(())
     }
 
@@ -498,6 +538,24 @@ static CONSTRUCTOR: extern "C" fn() = constructor;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ordinal_map_is_unknown_until_set_and_then_what_the_driver_showed() {
+        let v = Visible::default();
+        assert!(v.get().is_none(), "before cuInit: ordinals follow the config");
+        // The driver shows config GPUs 2 and 0 (CUDA_VISIBLE_DEVICES=2,0).
+        v.set(&[2, 0]);
+        let view = v.get().expect("set");
+        assert_eq!(view.len, 2);
+        let map: Vec<u8> = (0..view.len).map(|o| view.map[o].load(Relaxed)).collect();
+        assert_eq!(map, [2, 0]);
+        // Set again after another cuInit with fewer GPUs: the shorter view wins.
+        v.set(&[1]);
+        assert_eq!(v.get().map(|w| w.len), Some(1));
+        // No driver can show more GPUs than the table holds.
+        v.set(&(0..MAX_GPUS + 3).collect::<Vec<_>>());
+        assert_eq!(v.get().map(|w| w.len), Some(MAX_GPUS));
+    }
 
     fn uuids() -> Vec<[u8; 16]> {
         vec![[0xaa; 16], [0xab; 16], [0x10; 16]]

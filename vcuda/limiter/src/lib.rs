@@ -41,6 +41,8 @@
 //! limit: up while the device has idle capacity and the process wants more, back down to
 //! the share quickly once other processes use the device and it is saturated.
 
+#![forbid(unsafe_code)]
+
 use std::collections::VecDeque;
 
 /// Rates are parts per million of the device.

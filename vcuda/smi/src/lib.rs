@@ -1,6 +1,8 @@
 //! vcuda-smi's pure parts: picking GPUs and drawing the table. The binary (`main.rs`) asks
 //! vcuda-manager over its socket and prints what these return.
 
+#![forbid(unsafe_code)]
+
 use std::fmt::Write as _;
 
 use vcuda_contract::view::View;

@@ -1,5 +1,7 @@
 //! `vcuda-smi`: see `vcuda-smi --help`.
 
+#![forbid(unsafe_code)]
+
 use std::io::Write as _;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;

@@ -1,6 +1,8 @@
 //! `gpusim`: the outside view of the simulated GPUs. It reads the same state file as the
 //! simulated libcuda/libnvidia-ml, so what it prints is the ground truth tests judge by.
 
+#![forbid(unsafe_code)]
+
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use gpusim_core::{GpuView, State};
