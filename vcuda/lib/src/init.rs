@@ -542,7 +542,10 @@ mod tests {
     #[test]
     fn the_ordinal_map_is_unknown_until_set_and_then_what_the_driver_showed() {
         let v = Visible::default();
-        assert!(v.get().is_none(), "before cuInit: ordinals follow the config");
+        assert!(
+            v.get().is_none(),
+            "before cuInit: ordinals follow the config"
+        );
         // The driver shows config GPUs 2 and 0 (CUDA_VISIBLE_DEVICES=2,0).
         v.set(&[2, 0]);
         let view = v.get().expect("set");

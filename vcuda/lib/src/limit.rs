@@ -29,12 +29,13 @@
 //! - `debts`: every debt charged to the bucket so far (the ledger's, less its refunds, and
 //!   the markers'), so what launches paid = paid - debts;
 //! - `others`: the fraction of the device other processes used in the newest NVML sample,
-//!   ppm (the markers read it);
+//!   ppm (the markers read it); `sampled`: there was such a sample (else `others` is 0
+//!   for want of one);
 //!   Launches admitted before their cost is known (arming and running the probe) are charged
 //!   what the probe measures once it has.
 
 use std::ffi::{c_int, c_uint, c_void};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -75,8 +76,6 @@ const ACTIVE_NS: u64 = 1_000_000_000;
 const PROBE_TIMEOUT_NS: u64 = 5_000_000_000;
 /// Longest a launch waits for the probe of an earlier one.
 const PROBE_WAIT_NS: u64 = 200_000_000;
-/// Sample period assumed until two NVML samples show the real one.
-const DEFAULT_PERIOD_US: u64 = 166_667;
 
 /// One GPU's token bucket (see the module docs for the layout and orderings).
 #[repr(C, align(128))]
@@ -91,6 +90,7 @@ pub struct Bucket {
     waiting: AtomicI64,
     debts: AtomicI64,
     others: AtomicU64,
+    sampled: AtomicBool,
 }
 
 /// The first-launch probe of one GPU and class: device time of one launch, timed with
@@ -127,9 +127,12 @@ pub struct Limiter {
     /// 0 = none.
     probed: [[AtomicU64; CLASSES]; MAX_GPUS],
     /// When marker windows last raised the kernel price (wall µs, 0 = not since the
-    /// controller looked): the calibration reads the NVML period holding it as a filling
-    /// one ([`lim::Calibrator::raised_at`]).
+    /// controller looked), and whether the process was then known to be alone on the GPU
+    /// (NVML showed no other process's work): the calibration reads the NVML period
+    /// holding the raise as a filling one, and holds an alone process's raised price as a
+    /// floor ([`lim::Calibrator::raised_at`]).
     raised_us: [AtomicU64; MAX_GPUS],
+    raised_alone: [AtomicBool; MAX_GPUS],
     /// Markers per GPU; taken only on the slow path, never held while sleeping.
     markers: Mutex<[MarkerSet; MAX_GPUS]>,
     /// When this limiter (or, in a forked child, its fresh start) was made, wall µs: before
@@ -145,6 +148,7 @@ impl Limiter {
             probes: Mutex::new([[Probe::Idle; CLASSES]; MAX_GPUS]),
             probed: Default::default(),
             raised_us: Default::default(),
+            raised_alone: Default::default(),
             markers: Mutex::new(Default::default()),
             born_us: AtomicU64::new(wall_us()),
         };
@@ -828,6 +832,12 @@ fn act_on(v: &Vcuda, dev: usize, r: &Reached) {
     let cut = forfeit_excess(b);
     v.limiter.probed[dev][KERNEL].store(new, Relaxed);
     if new > cur {
+        // Alone: a window's GPU time was all this process's. Beside others not yet
+        // measured (a process's first NVML sample comes after its first 1/6-1 s), their
+        // kernels between two markers read as this one's: such a raise may be false, and
+        // the calibration must stay free to undo it.
+        let alone = b.sampled.load(Relaxed) && b.others.load(Relaxed) < lim::PPM / 20;
+        v.limiter.raised_alone[dev].store(alone, Relaxed);
         v.limiter.raised_us[dev].store(wall_us(), Relaxed);
     }
     log!(
@@ -1062,18 +1072,10 @@ struct GpuCtl {
     graph_cost: f64,
     last_paid: u64,
     last_waits: u64,
-    /// Newest NVML sample timestamp seen (µs).
-    last_seen_us: u64,
-    /// Sample period, µs, learned from consecutive sample timestamps.
-    period_us: u64,
-    /// `period_us` came from the device's own consecutive samples (exact), not from gaps
-    /// between this process's samples (a multiple of the period when it idled between).
-    period_exact: bool,
+    /// What has been read of NVML's per-process samples (period, newest, pid seen).
+    sampler: lim::samples::Sampler,
     elastic_rate: u64,
     exclusive: bool,
-    /// Whether NVML has ever shown a sample with this process's pid. Until it has, samples
-    /// without it prove nothing (the pid may be from another namespace), so none are used.
-    pid_seen: bool,
     /// Whether the ledger's origin is settled: given ([`Limiter::born_us`]), or none
     /// because the process began exclusive.
     origin: bool,
@@ -1088,12 +1090,9 @@ impl GpuCtl {
             graph_cost: lim::INITIAL_COST_NS,
             last_paid: 0,
             last_waits: 0,
-            last_seen_us: 0,
-            period_us: 0,
-            period_exact: false,
+            sampler: lim::samples::Sampler::default(),
             elastic_rate: 0,
             exclusive: false,
-            pid_seen: false,
             origin: false,
             probe_paid: false,
         }
@@ -1193,7 +1192,8 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
     }
     let raised = v.limiter.raised_us[dev].swap(0, Relaxed);
     if raised != 0 {
-        c.cal.raised_at(raised);
+        c.cal
+            .raised_at(raised, v.limiter.raised_alone[dev].load(Relaxed));
     }
     let gp = v.limiter.probed[dev][GRAPH].swap(0, Relaxed);
     if gp != 0 {
@@ -1245,6 +1245,7 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
     if let Some((others, _)) = newest {
         b.others
             .store((others.clamp(0.0, 1.0) * lim::PPM as f64) as u64, Relaxed);
+        b.sampled.store(true, Relaxed);
     }
     let rate = if limit_p > share_p {
         if let Some((others, own)) = newest {
@@ -1274,9 +1275,9 @@ fn launches_paid(paid: u64, charged: i64) -> u64 {
 /// The ledger's settlement after a sample: charge the bucket what NVML measured running
 /// unpaid beyond what was charged, or refund a charge NVML did not confirm
 /// (`Calibrator::settle`).
-fn settle(b: &Bucket, c: &mut GpuCtl, dev: usize) {
+fn settle(b: &Bucket, cal: &mut lim::Calibrator, dev: usize) {
     let cap = capacity(b, b.rate.load(Relaxed));
-    let mut d = c.cal.settle(b.debts.load(Relaxed) as f64, cap as f64);
+    let mut d = cal.settle(b.debts.load(Relaxed) as f64, cap as f64);
     if d < 0 {
         // A refund fills the bucket no further than a refill may: refunded time is still
         // time this process may use only at its rate (an unbounded refund admitted a
@@ -1317,7 +1318,7 @@ fn paid_total(b: &Bucket) -> u64 {
 /// of it, and a sparse tenant's samples were read as covering several periods (its cost
 /// estimate drifted up: 5 % with 20 ms kernels got 3.4 %).
 /// Asks for the samples since `since_us` (5 s: 30 samples at 1/6 s, 5 at 1 s, within the
-/// buffer).
+/// buffer); [`lim::samples::Sampler::device_samples`] decides.
 fn learn_period(handle: usize, c: &mut GpuCtl, since_us: u64) {
     let mut buf = [nvmlSample_t::default(); 64];
     let mut n = buf.len() as c_uint;
@@ -1336,20 +1337,16 @@ fn learn_period(handle: usize, c: &mut GpuCtl, since_us: u64) {
     if rc != NVML_SUCCESS {
         return;
     }
-    let got = &mut buf[..(n as usize).min(64)];
-    got.sort_unstable_by_key(|s| s.timeStamp);
-    let min = got
-        .windows(2)
-        .map(|w| w[1].timeStamp.saturating_sub(w[0].timeStamp))
-        .filter(|&d| d >= 1_000)
-        .min();
-    if let Some(p) = min.filter(|_| got.len() >= 3) {
-        c.period_us = p;
-        c.period_exact = true;
+    let mut ts = [0u64; 64];
+    let n = (n as usize).min(buf.len());
+    for (t, s) in ts.iter_mut().zip(&buf[..n]) {
+        *t = s.timeStamp;
     }
+    c.sampler.device_samples(&mut ts[..n]);
 }
 
-/// Read NVML samples newer than the last seen; feed this process's to the calibrator.
+/// Read NVML samples newer than the last seen; feed this process's periods (and the idle
+/// ones NVML kept no sample of) to the calibrator, settling the ledger after each.
 /// Returns (others, own) utilization of the newest complete period, if there is one.
 fn read_samples(
     v: &Vcuda,
@@ -1365,65 +1362,29 @@ fn read_samples(
             handle as nvmlDevice_t,
             buf.as_mut_ptr(),
             &mut n,
-            c.last_seen_us
+            c.sampler.since_us()
         )
     );
     if rc != NVML_SUCCESS {
         return None;
     }
-    if !c.period_exact && c.last_seen_us != 0 {
-        learn_period(handle, c, c.last_seen_us.saturating_sub(5_000_000));
+    if let Some(since) = c.sampler.wants_period() {
+        learn_period(handle, c, since);
     }
     let len = (n as usize).min(buf.len());
     let samples = &mut buf[..len];
     samples.sort_unstable_by_key(|s| s.timeStamp);
     let pid = crate::context::driver_pid(v);
-    let mut prev = c.last_seen_us;
-    let mut newest = None;
-    let mut i = 0;
-    while i < samples.len() {
-        let ts = samples[i].timeStamp;
-        let (mut own, mut others) = (0u32, 0u32);
-        while i < samples.len() && samples[i].timeStamp == ts {
-            if samples[i].pid == pid {
-                c.pid_seen = true;
-                own += samples[i].smUtil;
-            } else {
-                others += samples[i].smUtil;
+    let b = &v.limiter.gpus[dev];
+    let GpuCtl { sampler, cal, .. } = c;
+    let newest = sampler.read(
+        samples.iter().map(|s| (s.timeStamp, s.pid, s.smUtil)),
+        pid,
+        |p| {
+            if cal.sample(p.end_us, p.len_us, p.util_pct) {
+                settle(b, cal, dev);
             }
-            i += 1;
-        }
-        if prev != 0 && ts > prev {
-            let d = ts - prev;
-            if !c.period_exact && d >= 1_000 && (c.period_us == 0 || d < c.period_us) {
-                c.period_us = d;
-            }
-            // NVML keeps no sample of a period in which no process ran. Between two samples
-            // such periods certainly had none of this process's work: they are evidence too
-            // (work paid in one of them and run in the next would otherwise look free).
-            let p = c.period_us;
-            if c.pid_seen && p != 0 && d > p + p / 2 {
-                let missing = (d + p / 2) / p - 1;
-                for j in 1..=missing.min(64) {
-                    if c.cal.sample(prev + j * p, p, 0) {
-                        settle(&v.limiter.gpus[dev], c, dev);
-                    }
-                }
-            }
-        }
-        prev = ts;
-        let period = if c.period_us == 0 {
-            DEFAULT_PERIOD_US
-        } else {
-            c.period_us
-        };
-        if c.pid_seen {
-            if c.cal.sample(ts, period, own) {
-                settle(&v.limiter.gpus[dev], c, dev);
-            }
-            newest = Some((f64::from(others) / 100.0, f64::from(own) / 100.0));
-        }
-    }
-    c.last_seen_us = prev;
-    newest
+        },
+    );
+    newest.map(|n| (n.others, n.own))
 }

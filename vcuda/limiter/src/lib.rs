@@ -43,6 +43,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod samples;
+
 use std::collections::VecDeque;
 
 /// Rates are parts per million of the device.
@@ -400,6 +402,9 @@ pub struct Calibrator {
     /// When the price was last raised by a direct measurement (wall µs;
     /// [`Calibrator::raised_at`]).
     raised_at_us: Option<u64>,
+    /// (until sampled wall µs, cost): the estimate stays at least this until samples reach
+    /// that time ([`Calibrator::raised_at`]).
+    floor: Option<(u64, f64)>,
 }
 
 impl Default for Calibrator {
@@ -422,6 +427,7 @@ impl Calibrator {
             origin: false,
             fill_until_us: 0,
             raised_at_us: None,
+            floor: None,
         }
     }
 
@@ -472,8 +478,19 @@ impl Calibrator {
     /// the estimate fell from the markers' 1 ms, and stayed low for the 6 s the period
     /// stayed in the window: a 20 % tenant ran 25-28 % in a second while the ledger
     /// charged the difference back (CI, 2026-11-27).
-    pub fn raised_at(&mut self, t_us: u64) {
+    ///
+    /// And if the process was `alone` on the device (so the windows' GPU time was all
+    /// its own), the raised price is a floor for [`RAISE_FLOOR_US`] of sampled time: at 1 s
+    /// samples the queue's depth in device time keeps growing for a period or two after
+    /// it (up to four windows of the longer kernels, 192 ms at 1 ms: as much as a 20 %
+    /// tenant pays in a second), and those periods read it 0.6x too. Kernels that really
+    /// got shorter are proved by marker windows (`Verdict::Overpaid`), whose
+    /// [`Calibrator::set_cost`] lifts the floor. Beside others not yet measured a raise
+    /// may be false (their kernels ran between the markers), and a floor held it: four
+    /// tenants starting together on one GPU, the 10 % one got 2 % in its second second.
+    pub fn raised_at(&mut self, t_us: u64, alone: bool) {
         self.raised_at_us = Some(t_us);
+        self.floor = alone.then(|| (t_us.saturating_add(RAISE_FLOOR_US), self.cost_ns));
     }
 
     /// Total paid at wall time `t_us`, interpolated between ticks.
@@ -592,6 +609,7 @@ impl Calibrator {
         self.cost_ns = cost_ns.clamp(MIN_COST_NS, MAX_COST_NS);
         self.evidence.clear();
         self.fresh = 0;
+        self.floor = None;
     }
 
     /// Move the cost towards what the window says, once per new sample and once there is
@@ -643,9 +661,20 @@ impl Calibrator {
         // few launches.
         let weight = (launches / FULL_EVIDENCE_LAUNCHES).min(1.0);
         self.cost_ns = (self.cost_ns * ratio.powf(0.8 * weight)).clamp(MIN_COST_NS, MAX_COST_NS);
+        if let Some((until, floor)) = self.floor {
+            if self.sampled_to_us < until {
+                self.cost_ns = self.cost_ns.max(floor);
+            } else {
+                self.floor = None;
+            }
+        }
         self.cost_ns
     }
 }
+
+/// How long a price raised by marker windows stays a floor for the calibration, in sampled
+/// time (µs): the raise's NVML period and, at 1 s samples, the next ([`Calibrator::raised_at`]).
+pub const RAISE_FLOOR_US: u64 = 2_000_000;
 
 /// Bucket capacities a throttled process may have paid ahead of what ran: one behind each
 /// marker that may be pending, and the bucket.
@@ -987,7 +1016,7 @@ mod tests {
                                 tokens -= u.debt_ns as i64;
                                 if u.per_launch_ns > cal.cost_ns() {
                                     cal.set_cost(u.per_launch_ns);
-                                    cal.raised_at(t / 1000);
+                                    cal.raised_at(t / 1000, true);
                                 }
                             }
                             Some(Verdict::Overpaid { per_launch_ns })
@@ -1582,7 +1611,7 @@ mod ledger_and_fill {
             c.record_paid(1_000_000, 20_000_000);
             c.set_cost(1_000_000.0);
             if note {
-                c.raised_at(1_800_000);
+                c.raised_at(1_800_000, true);
             }
             let mut lowest = f64::MAX;
             // Paid by the end of each second: the raise's second 190 ms, then 200 ms each.
@@ -1600,6 +1629,72 @@ mod ledger_and_fill {
         // Read as evidence like any other, it drags the estimate down for seconds.
         let unnoted = run(false);
         assert!(unnoted < 0.8e6, "{unnoted:.0} ns");
+    }
+
+    /// At 1 s samples the queue keeps deepening for a period after the raise's (its
+    /// windows now hold 1 ms kernels): that period reads the cost low too. The raised
+    /// price holds as a floor for RAISE_FLOOR_US of sampled time; a direct measurement
+    /// (an Overpaid window, `set_cost`) lifts it.
+    #[test]
+    fn a_raised_price_is_a_floor_for_two_seconds_of_samples() {
+        let mut c = Calibrator::new(1_000.0);
+        c.record_origin(0, 0);
+        c.record_paid(1_000_000, 20_000_000);
+        c.set_cost(1_000_000.0);
+        c.raised_at(1_800_000, true);
+        let mut paid = 20_000_000;
+        // Half-second periods: the raise's paid 95 ms and ran 30; the next ones paid 100 ms
+        // and ran 70 (still filling), which alone would lower the estimate by a quarter.
+        for (end_ms, util, pay) in [
+            (2_000u64, 6u32, 95_000_000u64),
+            (2_500, 14, 100_000_000),
+            (3_000, 14, 100_000_000),
+            (3_500, 14, 100_000_000),
+        ] {
+            paid += pay;
+            c.record_paid(end_ms * 1_000, paid);
+            assert!(c.sample(end_ms * 1_000, 500_000, util));
+            assert_eq!(
+                c.update(),
+                1_000_000.0,
+                "held at the raised price at {end_ms} ms"
+            );
+        }
+        // Past the floor (samples to 3.8 s), evidence moves it again.
+        paid += 100_000_000;
+        c.record_paid(4_000_000, paid);
+        c.sample(4_000_000, 500_000, 14);
+        assert!(c.update() < 0.9e6);
+        // Raised beside others not yet measured: no floor (the raise may be their work).
+        let mut c = Calibrator::new(1_000.0);
+        c.record_origin(0, 0);
+        c.record_paid(1_000_000, 20_000_000);
+        c.set_cost(1_000_000.0);
+        c.raised_at(1_800_000, false);
+        let mut paid = 20_000_000;
+        for (end_ms, util, pay) in [
+            (2_000u64, 6u32, 95_000_000u64),
+            (2_500, 14, 100_000_000),
+            (3_000, 14, 100_000_000),
+        ] {
+            paid += pay;
+            c.record_paid(end_ms * 1_000, paid);
+            c.sample(end_ms * 1_000, 500_000, util);
+            c.update();
+        }
+        assert!(c.cost_ns() < 0.9e6, "{}", c.cost_ns());
+        // A window proving shorter kernels sets the price at once, floor or not.
+        let mut c = Calibrator::new(1_000_000.0);
+        c.raised_at(1_800_000, true);
+        c.set_cost(10_000.0);
+        assert_eq!(c.cost_ns(), 10_000.0);
+        c.record_origin(0, 0);
+        for end_s in 1..=5u64 {
+            c.record_paid(end_s * 1_000_000, end_s * 100_000_000);
+            c.sample(end_s * 1_000_000, 1_000_000, 5);
+            c.update();
+        }
+        assert!(c.cost_ns() < 10_000.0, "no floor left: {}", c.cost_ns());
     }
 
     /// The same tenant's first launches admitted free while the probe timed them, and
