@@ -190,10 +190,14 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
     let names: Vec<String> = (0..count as u32)
         .map(|i| gpus::name(nvml, i).unwrap_or_default())
         .collect();
+    let mut round: u64 = 0;
     loop {
         // A fixed cadence; a slow round is not made up for by a burst of quick ones.
         next = (next + PERIOD).max(Instant::now());
         std::thread::sleep(next.saturating_duration_since(Instant::now()));
+        round += 1;
+        // Every line a round logs carries its number.
+        let _round = tracing::debug_span!("round", n = round).entered();
         // Pod UIDs (for attributing processes by cgroup) of containers none of whose
         // processes registered yet — e.g. one that bypasses the library. The kubelet's
         // checkpoint is read at most once a second for this, and outside the lock.

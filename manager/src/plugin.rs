@@ -135,6 +135,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         Ok(Response::new(Box::pin(stream)))
     }
 
+    #[tracing::instrument(name = "GetPreferredAllocation", skip_all, fields(resource = ?self.kind))]
     async fn get_preferred_allocation(
         &self,
         req: Request<dp::PreferredAllocationRequest>,
@@ -163,6 +164,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         }))
     }
 
+    #[tracing::instrument(name = "Allocate", skip_all, fields(resource = ?self.kind, devices = tracing::field::Empty))]
     async fn allocate(
         &self,
         req: Request<dp::AllocateRequest>,
@@ -172,6 +174,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         let resource = self.kind.resource(&core.settings.domain);
         let mut container_responses = Vec::new();
         let requests = req.into_inner().container_requests;
+        tracing::Span::current().record("devices", tracing::field::debug(first_ids(&requests)));
         for c in &requests {
             match core.allocate(self.kind, &c.devices_ids) {
                 Ok(a) => container_responses.push(to_proto(a)),
@@ -199,12 +202,18 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         }))
     }
 
+    #[tracing::instrument(
+        name = "PreStartContainer",
+        skip_all,
+        fields(resource = ?self.kind, devices = tracing::field::Empty, container = tracing::field::Empty)
+    )]
     async fn pre_start_container(
         &self,
         req: Request<dp::PreStartContainerRequest>,
     ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
         let t0 = Instant::now();
         let ids = req.into_inner().devices_ids;
+        tracing::Span::current().record("devices", tracing::field::debug(Ids(&ids)));
         let (socket, domain) = {
             let core = self.shared.core.lock();
             if let Some(id) = core.already_started(self.kind, &ids) {
@@ -231,6 +240,9 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         let who = held
             .as_ref()
             .map(|h| format!("{}/{}/{}", h.namespace, h.pod, h.container));
+        if let Some(w) = &who {
+            tracing::Span::current().record("container", w.as_str());
+        }
         let (pod, assigned) = match (&self.shared.api, &held) {
             (Some(api), Some(h)) => self.shared.follow(api, h).await,
             _ => (None, None),
@@ -254,6 +266,33 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
             }
         }
     }
+}
+
+/// A span's view of a request's device IDs: the first few and how many (a memory request
+/// holds one ID per 256 MiB), so an allocation can be followed from Allocate to
+/// PreStartContainer in the log without a line of hundreds of IDs.
+struct Ids<'a>(&'a [String]);
+
+impl std::fmt::Debug for Ids<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut sorted: Vec<&String> = self.0.iter().collect();
+        sorted.sort();
+        let shown = sorted
+            .iter()
+            .take(2)
+            .map(|s| s.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        match self.0.len() {
+            n if n > 2 => write!(f, "{shown},… ({n})"),
+            _ => write!(f, "{shown}"),
+        }
+    }
+}
+
+/// [`Ids`] of the first container request of an Allocate.
+fn first_ids(requests: &[dp::ContainerAllocateRequest]) -> Ids<'_> {
+    Ids(requests.first().map_or(&[][..], |c| &c.devices_ids))
 }
 
 /// The options both plugins register with (and answer GetDevicePluginOptions with).
@@ -662,4 +701,21 @@ pub fn find(
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_span_shows_the_first_device_ids_and_how_many() {
+        let ids: Vec<String> = (0..40).rev().map(|i| format!("GPU-a-mem-{i:02}")).collect();
+        assert_eq!(
+            format!("{:?}", Ids(&ids)),
+            "GPU-a-mem-00,GPU-a-mem-01,… (40)"
+        );
+        let two = ["b".to_string(), "a".to_string()];
+        assert_eq!(format!("{:?}", Ids(&two)), "a,b");
+        assert_eq!(format!("{:?}", first_ids(&[])), "");
+    }
 }
