@@ -1,14 +1,23 @@
 //! Live allocations of this process: device pointer → (size, GPU, kind), so a free releases
 //! exactly what its allocation reserved. On the allocation hot path, so it is a lock-free
 //! open-addressing table (linear probing, tombstones reused by inserts): an insert is one
-//! compare-and-swap, a remove a probe and one plain store. A probe that runs past
-//! `MAX_PROBE` slots spills into a locked overflow map, which stays empty in practice.
+//! compare-and-swap and two stores, a remove a probe and one plain store. A probe that runs
+//! past `MAX_PROBE` slots spills into a locked overflow map, which stays empty in practice.
 //!
-//! Keys are device pointers, never 0 (empty) or 1 (tombstone). A key is inserted after the
-//! driver hands the pointer out and removed before it is given back to the driver, so one
-//! key is never inserted twice or removed concurrently with its own insert.
+//! Keys are device pointers, never 0 (empty), 1 (tombstone) or 2 (claimed). A key is
+//! inserted after the driver hands the pointer out and removed before it is given back to
+//! the driver, so one key is never inserted twice or removed concurrently with its own
+//! insert. An insert claims a slot (CAS to `CLAIMED`), writes the value, then publishes the
+//! key (release): whoever sees the key sees its value, never a previous occupant's (a
+//! snapshot once could). `cfg(loom)` model-checks this (`mod loom_tests`).
 
 use std::collections::HashMap;
+
+#[cfg(loom)]
+use loom::sync::atomic::{
+    AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+};
+#[cfg(not(loom))]
 use std::sync::atomic::{
     AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
@@ -17,7 +26,13 @@ use parking_lot::Mutex;
 
 const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
+/// An insert owns the slot and is writing its value; the key follows.
+const CLAIMED: u64 = 2;
+#[cfg(not(loom))]
 const MAX_PROBE: usize = 128;
+/// Under the model checker: enough to wrap the tests' tiny tables, few enough to explore.
+#[cfg(loom)]
+const MAX_PROBE: usize = 4;
 
 /// What an allocation was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,10 +70,18 @@ impl Rec {
     }
 }
 
-#[derive(Default)]
 struct Entry {
     key: AtomicU64,
     val: AtomicU64,
+}
+
+impl Entry {
+    fn new() -> Entry {
+        Entry {
+            key: AtomicU64::new(EMPTY),
+            val: AtomicU64::new(0),
+        }
+    }
 }
 
 pub struct AllocTable {
@@ -72,7 +95,7 @@ impl AllocTable {
     /// A table of `1 << bits` slots (zeroed, so pages are only touched as they are used).
     pub fn new(bits: u32) -> AllocTable {
         let n = 1usize << bits;
-        let slots: Box<[Entry]> = (0..n).map(|_| Entry::default()).collect();
+        let slots: Box<[Entry]> = (0..n).map(|_| Entry::new()).collect();
         AllocTable {
             slots,
             mask: n - 1,
@@ -90,15 +113,18 @@ impl AllocTable {
     /// Remember `key`.
     #[inline]
     pub fn insert(&self, key: u64, rec: Rec) {
-        debug_assert!(key > TOMB);
+        debug_assert!(key > CLAIMED);
         let h = self.home(key);
         for i in 0..MAX_PROBE {
             let e = &self.slots[(h + i) & self.mask];
             let cur = e.key.load(Acquire);
             if (cur == EMPTY || cur == TOMB)
-                && e.key.compare_exchange(cur, key, Acquire, Relaxed).is_ok()
+                && e.key
+                    .compare_exchange(cur, CLAIMED, Acquire, Relaxed)
+                    .is_ok()
             {
-                e.val.store(rec.pack(), Release);
+                e.val.store(rec.pack(), Relaxed);
+                e.key.store(key, Release);
                 return;
             }
         }
@@ -109,7 +135,7 @@ impl AllocTable {
     /// Forget `key`, returning what it was.
     #[inline]
     pub fn remove(&self, key: u64) -> Option<Rec> {
-        if key <= TOMB {
+        if key <= CLAIMED {
             return None;
         }
         let h = self.home(key);
@@ -144,7 +170,7 @@ impl AllocTable {
             .iter()
             .filter_map(|e| {
                 let k = e.key.load(Acquire);
-                (k > TOMB).then(|| (k, Rec::unpack(e.val.load(Acquire))))
+                (k > CLAIMED).then(|| (k, Rec::unpack(e.val.load(Relaxed))))
             })
             .collect();
         v.extend(
@@ -166,7 +192,41 @@ impl AllocTable {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+
+    fn rec(size: u64) -> Rec {
+        Rec {
+            size,
+            dev: 0,
+            kind: Kind::Reserved,
+        }
+    }
+
+    /// A one-slot table: every key lands in the same slot. A key freed there left its value
+    /// behind; a snapshot taken while another key is inserted into the slot sees either no
+    /// key or the new key with its own value, in every interleaving (19). Before inserts
+    /// claimed the slot first, loom found the snapshot pairing the new key with the old
+    /// value (the teardown sweep reads such snapshots).
+    #[test]
+    fn a_snapshot_never_pairs_a_key_with_a_previous_occupants_value() {
+        loom::model(|| {
+            let t = loom::sync::Arc::new(AllocTable::new(0));
+            t.insert(0x1000, rec(111));
+            assert_eq!(t.remove(0x1000), Some(rec(111)));
+            let t2 = t.clone();
+            let reader = loom::thread::spawn(move || t2.entries());
+            t.insert(0x2000, rec(222));
+            for (k, r) in reader.join().unwrap() {
+                assert_eq!((k, r), (0x2000, rec(222)));
+            }
+            assert_eq!(t.remove(0x2000), Some(rec(222)));
+        });
+    }
+}
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::Arc;
