@@ -3,14 +3,20 @@
 Tolerances, stated once:
 - ACCURACY: a saturating tenant's utilization, averaged over 10 s (from 1 s after start),
   is its share ± 2 percentage points.
-- Any 1 s window holds whole kernels, so it may exceed the share by one kernel's length
-  (2 pp for 20 ms kernels) on top of the 2 pp: WINDOW_SLACK(kernel). For 20 ms kernels that
-  is below what the limiter guarantees: its bucket holds one kernel and a launch may take it
-  one kernel into debt, so a window can hold two kernels (4 pp) beyond the share on top of
-  the calibration's error; there the bound is issue 12's, share ± 5 pp per 1 s window
-  (CI failed at 79.3 % for 75 % and 94.2 % for 90 % with the tighter one).
+- Any 1 s window may exceed the share by what the bucket spends at once on top of the 2 pp
+  (the calibration's error): window_slack(kernel, share). A window may open with the bucket
+  full, and its capacity is 20 ms of earnings at the share (vcuda-limiter's
+  CAPACITY_WINDOW_NS), at least one kernel: 1.8 pp at 90 %, 0.1 pp at 5 % with 1 ms kernels.
+  Judged by one kernel alone, a 90 % tenant of 1 ms kernels failed CI at 92.28 % in one
+  window of 18 tenants sharing 2 cores (and 92.50 % here, 1 run in 6 under load; the
+  library before issue 14's changes behaved the same, 90.43-91.36 % over 15 quiet runs
+  against 90.31-91.68 % now). The windows as measured are scripts/bench-limiter's table.
+  For 20 ms kernels the bucket holds one kernel and a launch may take it one kernel into
+  debt, so a window can hold two kernels (4 pp) beyond the share on top of the
+  calibration's error; there the bound is issue 12's, share ± 5 pp per 1 s window
+  (CI failed at 79.3 % for 75 % and 94.2 % for 90 % with a tighter one).
 - Settled: the second second after start (or after a change) is already within the window
-  tolerance.
+  tolerance (below the share, within kernel_slack: the bucket counts only above it).
 """
 
 import resource
@@ -26,11 +32,22 @@ ACCURACY = 0.02
 WINDOW_BOUND = 0.05  # issue 12: no 1 s window more than 5 pp over the share
 
 
-def window_slack(kernel):
+CAPACITY_WINDOW = 0.020  # vcuda-limiter's CAPACITY_WINDOW_NS, in seconds
+
+
+def kernel_slack(kernel):
+    """How far a tenant running `kernel` may be from its share in one 1 s window, either way,
+    before the bucket is counted: the 2 pp and one kernel (issue 12's 5 pp for 20 ms)."""
     slack = ACCURACY + KERNELS[kernel] / 1.0
-    # as long as the bucket's 20 ms of earnings (vcuda-limiter's CAPACITY_WINDOW_NS): the
-    # bucket holds one kernel, and a launch may take it one more into debt
+    # as long as the bucket's 20 ms of earnings: the bucket holds one kernel, and a launch
+    # may take it one more into debt
     return max(slack, WINDOW_BOUND) if KERNELS[kernel] >= 0.02 else slack
+
+
+def window_slack(kernel, share):
+    """How far one 1 s window of a tenant with `share` (a fraction) may go over it: the
+    module docstring's rule, the 2 pp and the bucket's capacity (at least one kernel)."""
+    return max(kernel_slack(kernel), ACCURACY + CAPACITY_WINDOW * share)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +73,11 @@ def check_tenant(load, share, kernel, seconds, label):
     avg = load.util(1.0, seconds - 0.2)
     assert abs(avg - share) <= ACCURACY, f"{label}: averaged {avg:.2%}, share {share:.0%}"
     settle = load.util(1.0, 2.0)
-    assert abs(settle - share) <= window_slack(kernel), f"{label}: {settle:.2%} in its second second (not settled)"
+    assert -kernel_slack(kernel) <= settle - share <= window_slack(kernel, share), (
+        f"{label}: {settle:.2%} in its second second (not settled)"
+    )
     worst = max(load.machine.windows(load, 1.0, seconds - 0.2))
-    assert worst <= share + window_slack(kernel), f"{label}: a 1 s window reached {worst:.2%}"
+    assert worst <= share + window_slack(kernel, share), f"{label}: a 1 s window reached {worst:.2%}"
 
 
 SHARES = [5, 10, 25, 50, 75, 90]
@@ -127,7 +146,7 @@ def test_a_bursty_tenant_is_held_to_its_share(machines):
     m.stop()
     for ld, share, kernel in ((l0, 0.40, "spin_1ms"), (l1, 0.25, "spin_50us")):
         worst = max(m.windows(ld, 0.5, 7.8))
-        assert worst <= share + window_slack(kernel), f"bursty tenant at {share:.0%}: a 1 s window reached {worst:.2%}"
+        assert worst <= share + window_slack(kernel, share), f"bursty tenant at {share:.0%}: a 1 s window reached {worst:.2%}"
         # Inside an on-phase it still gets its share (not starved by the phases).
         best = max(m.windows(ld, 0.5, 7.8, width=0.3, step=0.1))
         assert best >= share - 2 * ACCURACY, f"bursty tenant at {share:.0%} never got its share ({best:.2%})"
@@ -151,7 +170,7 @@ def test_an_elastic_tenant_bursts_while_the_gpu_idles_and_gives_back(machines):
     got = lb.util(1.0, 4.8)
     assert abs(got - 0.50) <= ACCURACY, f"the hard neighbour got {got:.2%} of its 50%"
     first = lb.util(0.0, 1.0)
-    assert first >= 0.50 - window_slack("spin_1ms") - 0.02, f"the neighbour's first second: {first:.2%}"
+    assert first >= 0.50 - kernel_slack("spin_1ms") - 0.02, f"the neighbour's first second: {first:.2%}"
     shared = la.util(5.0, 8.8)
     assert 0.30 - ACCURACY <= shared <= 0.50 + ACCURACY, f"the elastic tenant kept {shared:.2%} beside its neighbour"
 
