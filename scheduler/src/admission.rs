@@ -45,7 +45,7 @@
 //! pod replaces it, and otherwise it is dropped once the pod is deleted or after the TTL.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod as KPod};
@@ -60,8 +60,7 @@ use crate::quota::{
     NamespaceRule, PodQuotaState, PodUse, QuotaConfig, QuotaRefusal, Record, CLAIMS_ANNOTATION,
 };
 use crate::request::parse_integer_quantity;
-use crate::server::{AppState, NodeMetas};
-use crate::settings::ConfigMapRef;
+use crate::state::{now_ms, AppState, NodeMetas, QuotaSource, Snapshot};
 
 /// How long a read of the quota ConfigMap is reused by filter and prioritize.
 pub const CONFIG_CACHE_TTL: Duration = Duration::from_secs(2);
@@ -124,31 +123,6 @@ impl AdmissionError {
     }
 }
 
-/// The quota ConfigMap as last read.
-#[derive(Debug, Clone)]
-pub enum Snapshot {
-    /// It does not exist (404).
-    Missing,
-    /// It could not be read (the API error).
-    Unreadable(String),
-    /// Its entries, and the claims of binds in flight (an error if the annotation is
-    /// malformed).
-    Loaded {
-        config: QuotaConfig,
-        claims: Result<Vec<Claim>, String>,
-    },
-}
-
-/// The `--quota-configmap` and its cached reads.
-#[derive(Debug)]
-pub struct QuotaSource {
-    /// The ConfigMap.
-    pub cm: ConfigMapRef,
-    cache: Mutex<Option<(Instant, Arc<Snapshot>)>>,
-    /// What was last logged about it (so a state is logged once, not per request).
-    logged: Mutex<String>,
-}
-
 /// What a namespace's rule is, for a pod about to be placed.
 #[derive(Debug, Clone)]
 pub struct Gate {
@@ -198,13 +172,6 @@ pub struct HeldClaim {
     pub created_unix_ms: u64,
 }
 
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(r) if r.code == 409)
 }
@@ -223,16 +190,8 @@ async fn backoff(attempt: u32) {
     tokio::time::sleep(Duration::from_millis(ms)).await;
 }
 
+// `QuotaSource` itself is in `crate::state` (the handlers share it); its reads are here.
 impl QuotaSource {
-    /// A source for `cm`; nothing is read yet.
-    pub fn new(cm: ConfigMapRef) -> QuotaSource {
-        QuotaSource {
-            cm,
-            cache: Mutex::new(None),
-            logged: Mutex::new(String::new()),
-        }
-    }
-
     fn api(&self, client: &kube::Client) -> Api<ConfigMap> {
         Api::namespaced(client.clone(), &self.cm.namespace)
     }

@@ -33,13 +33,13 @@ use vcuda_cluster::{
     Reservation, Reservations, ASSIGNMENT_ANNOTATION, RESERVATIONS_ANNOTATION, SCHEMA,
 };
 
-use crate::admission::{self, now_ms, AdmissionError, HeldClaim, CLAIM_DEADLINE};
+use crate::admission::{self, AdmissionError, HeldClaim, CLAIM_DEADLINE};
 use crate::eligibility::{self, Ineligible};
 use crate::extender::{ExtenderBindingArgs, Pod};
 use crate::placement::{self, Expiry, NodeView};
 use crate::quota::{self, Amount};
 use crate::request::pod_request;
-use crate::server::{node_view, AppState};
+use crate::state::{node_view, now_ms, AppState};
 
 /// How many times a bind re-reads the Node after a 409 Conflict.
 pub const MAX_ATTEMPTS: u32 = 10;

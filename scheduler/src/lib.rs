@@ -22,6 +22,9 @@
 //! - [`bind`] — the bind verb: reservation on the Node (optimistic concurrency), Binding.
 //! - [`admission`] — the quota ConfigMap, namespace usage and quota claims (optimistic
 //!   concurrency on the ConfigMap).
+//! - [`state`] — what the handlers share: settings, the kube client, the node-list and
+//!   quota-ConfigMap caches, [`state::node_view`]; the bottom I/O layer (`state` below
+//!   `admission` below `bind` below `server`: no import cycle).
 //! - [`listen`] — the HTTPS listener: kube-scheduler's client certificate required,
 //!   handshake/header/body deadlines, a connection cap.
 
@@ -37,3 +40,4 @@ pub mod quota;
 pub mod request;
 pub mod server;
 pub mod settings;
+pub mod state;

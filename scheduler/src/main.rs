@@ -10,8 +10,9 @@ use anyhow::Context;
 use clap::{ArgAction, Parser, ValueEnum};
 use vcuda_scheduler::listen;
 use vcuda_scheduler::placement::{Packing, Policy};
-use vcuda_scheduler::server::{router, AppState};
+use vcuda_scheduler::server::router;
 use vcuda_scheduler::settings::{parse_duration, ConfigMapRef};
+use vcuda_scheduler::state::AppState;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Strategy {

@@ -2,15 +2,13 @@
 //! node source for `nodeCacheCapable` requests. Placement itself stays in the pure modules.
 //!
 //! Freshness: with `nodeCacheCapable: true` the nodes are listed from the API server and the
-//! list is reused for at most [`NODE_CACHE_TTL`]; filter and prioritize may therefore see
-//! labels and annotations up to that old (the quota ConfigMap likewise, see
-//! [`crate::admission`]). Bind never uses the cache: it re-reads the Node and writes
-//! with its `resourceVersion`, so a stale filter can only cost a refused bind, never an
+//! list is reused for at most [`NODE_CACHE_TTL`](crate::state::NODE_CACHE_TTL); filter and
+//! prioritize may therefore see labels and annotations up to that old (the quota ConfigMap
+//! likewise, see [`crate::admission`]). Bind never uses the cache: it re-reads the Node and
+//! writes with its `resourceVersion`, so a stale filter can only cost a refused bind, never an
 //! over-commit.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::collections::BTreeMap;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -18,144 +16,18 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use k8s_openapi::api::core::v1::Node as KNode;
-use kube::api::ListParams;
-use kube::Api;
 use serde::de::DeserializeOwned;
-use vcuda_cluster::INVENTORY_ANNOTATION;
 
-use crate::admission::{self, AdmissionError, Gate, QuotaSource};
+use crate::admission::{self, AdmissionError, Gate};
 use crate::bind;
 use crate::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, HostPriority,
     HostPriorityList, Node, NodeList, Pod,
 };
-use crate::placement::{self, Choice, Expiry, NodeView, Policy};
+use crate::placement::{self, Choice, Expiry, NodeView};
 use crate::quota::{self, Amount};
 use crate::request::{pod_request, PodRequest};
-use crate::settings::ConfigMapRef;
-
-/// How long a node list fetched for `nodeCacheCapable` requests is reused.
-pub const NODE_CACHE_TTL: Duration = Duration::from_secs(2);
-
-/// Reservations older than this are ignored unless `--reservation-ttl` says otherwise.
-pub const DEFAULT_RESERVATION_TTL: Duration = Duration::from_secs(600);
-
-/// What the scheduler reads of a Node.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NodeMeta {
-    /// `metadata.labels` (pools).
-    pub labels: BTreeMap<String, String>,
-    /// `metadata.annotations` (inventory, reservations).
-    pub annotations: BTreeMap<String, String>,
-}
-
-/// Node name → labels and annotations.
-pub type NodeMetas = Arc<HashMap<String, NodeMeta>>;
-
-/// What the handlers share.
-#[derive(Clone)]
-pub struct AppState {
-    pub policy: Policy,
-    /// Resource domain (`tencent.com` → `tencent.com/vcuda-core`).
-    pub domain: String,
-    pub client: kube::Client,
-    /// `--quota-configmap`: namespace pools and quotas (`None`: none).
-    pub quota: Option<Arc<QuotaSource>>,
-    /// `--reservation-ttl`: reservations older than this are ignored and dropped.
-    pub reservation_ttl: Duration,
-    /// `--scheduler-name`: the `spec.schedulerName`s whose pods bind may place.
-    pub scheduler_names: Vec<String>,
-    /// Node name → labels and annotations, and when they were listed.
-    cache: Arc<Mutex<Option<(Instant, NodeMetas)>>>,
-}
-
-impl std::fmt::Debug for AppState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AppState")
-            .field("policy", &self.policy)
-            .field("domain", &self.domain)
-            .field("quota", &self.quota.as_ref().map(|q| q.cm.to_string()))
-            .field("reservation_ttl", &self.reservation_ttl)
-            .field("scheduler_names", &self.scheduler_names)
-            .finish_non_exhaustive()
-    }
-}
-
-impl AppState {
-    /// No quotas, reservations expire after [`DEFAULT_RESERVATION_TTL`].
-    pub fn new(policy: Policy, domain: String, client: kube::Client) -> AppState {
-        AppState {
-            policy,
-            domain,
-            client,
-            quota: None,
-            reservation_ttl: DEFAULT_RESERVATION_TTL,
-            scheduler_names: vec![crate::eligibility::DEFAULT_SCHEDULER_NAME.to_string()],
-            cache: Arc::new(Mutex::new(None)),
-        }
-    }
-
-    /// Bind only pods of these schedulers (`spec.schedulerName`).
-    pub fn with_scheduler_names(mut self, names: Vec<String>) -> AppState {
-        self.scheduler_names = names;
-        self
-    }
-
-    /// Enforce the pools and quotas of this ConfigMap.
-    pub fn with_quota_configmap(mut self, cm: ConfigMapRef) -> AppState {
-        self.quota = Some(Arc::new(QuotaSource::new(cm)));
-        self
-    }
-
-    /// Ignore (and drop on bind) reservations older than `ttl`.
-    pub fn with_reservation_ttl(mut self, ttl: Duration) -> AppState {
-        self.reservation_ttl = ttl;
-        self
-    }
-
-    /// Which reservations count now.
-    pub fn expiry(&self) -> Expiry {
-        Expiry {
-            now_ms: admission::now_ms(),
-            ttl_ms: u64::try_from(self.reservation_ttl.as_millis()).unwrap_or(u64::MAX),
-        }
-    }
-
-    /// Labels and annotations of every node, from a list at most [`NODE_CACHE_TTL`] old
-    /// (`fresh`: listed now).
-    pub async fn node_metas(&self, fresh: bool) -> Result<NodeMetas, kube::Error> {
-        if !fresh {
-            if let Some((at, map)) = self.cache.lock().map_or(None, |g| g.clone()) {
-                if at.elapsed() < NODE_CACHE_TTL {
-                    return Ok(map);
-                }
-            }
-        }
-        let list = Api::<KNode>::all(self.client.clone())
-            .list(&ListParams::default())
-            .await?;
-        let map: HashMap<_, _> = list
-            .items
-            .into_iter()
-            .filter_map(|n| {
-                let name = n.metadata.name?;
-                Some((
-                    name,
-                    NodeMeta {
-                        labels: n.metadata.labels.unwrap_or_default(),
-                        annotations: n.metadata.annotations.unwrap_or_default(),
-                    },
-                ))
-            })
-            .collect();
-        let map = Arc::new(map);
-        if let Ok(mut g) = self.cache.lock() {
-            *g = Some((Instant::now(), map.clone()));
-        }
-        Ok(map)
-    }
-}
+use crate::state::{node_view, AppState, NodeMeta, NodeMetas};
 
 /// The router: `<prefix>filter`, `<prefix>prioritize`, `<prefix>bind`.
 pub fn router(state: AppState, url_prefix: &str) -> Router {
@@ -178,21 +50,6 @@ fn parse<T: DeserializeOwned>(verb: &str, body: &Bytes) -> Result<T, Box<Respons
             .into_response()
             .into()
     })
-}
-
-/// Why a node is refused before placement, or its view (reservations that `expiry` calls
-/// stale left out).
-pub fn node_view(
-    name: &str,
-    annotations: &BTreeMap<String, String>,
-    expiry: Expiry,
-) -> Result<NodeView, String> {
-    if !annotations.contains_key(INVENTORY_ANNOTATION) {
-        return Err(format!(
-            "node {name} publishes no vcuda GPU inventory ({INVENTORY_ANNOTATION}): is vcuda-manager running there?"
-        ));
-    }
-    NodeView::from_annotations_at(annotations, expiry).map_err(|e| format!("node {name}: {e}"))
 }
 
 /// The nodes of a request: the Node objects sent, or the names with the cached metadata.
