@@ -11,6 +11,8 @@
 //! - [`table`]: the lock-free pointer → size table of live allocations.
 //! - [`limit`]: the compute limiter's launch hooks, token buckets and controller thread
 //!   (its maths is the `vcuda-limiter` crate).
+//! - [`quota`]: the memory quota's rules as safe operations over a `Driver` and the `Books`
+//!   (unit- and property-tested against fakes); [`memory`]'s shells call them.
 //! - [`memory`], [`context`], [`info`], [`nvml`], [`procaddr`]: the wrappers.
 //! - [`register`]: each process introduces itself to the manager over the control socket,
 //!   on a thread of its own, retrying with back-off.
@@ -151,5 +153,6 @@ pub mod log;
 pub mod memory;
 pub mod nvml;
 pub mod procaddr;
+pub mod quota;
 pub mod register;
 pub mod table;

@@ -10,18 +10,13 @@ use std::ffi::{c_uint, c_void};
 
 use crate::ffi::*;
 use crate::init::{cuda, Vcuda, Vmm};
+use crate::quota::{self, check, code, counted, true_up, Abi, Books, Driver, R};
 use crate::table::{Kind, Rec};
+
+pub use crate::quota::ALLOC_GRANULE;
 
 /// Granularity pools grow by (CUDA's allocation granularity).
 const POOL_GRANULE: u64 = 2 << 20;
-/// Allocations are counted rounded up to this: the driver's minimum alignment, so the count
-/// is what the device holds. Coarser rounding by a real driver shows up as hidden memory.
-pub const ALLOC_GRANULE: u64 = 512;
-
-#[inline(always)]
-fn counted(bytes: u64) -> u64 {
-    bytes.div_ceil(ALLOC_GRANULE) * ALLOC_GRANULE
-}
 
 hooks! {
     Cuda fn cuMemAlloc(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult => alloc_v1;
@@ -78,161 +73,160 @@ pub(crate) fn refuse_for_quota(v: &Vcuda, dev: usize) -> CUresult {
     CUDA_ERROR_OUT_OF_MEMORY
 }
 
-/// Reserve `bytes` on the current context's GPU, run `call`, roll back on failure.
-/// `Ok(dev)` means the call succeeded with the reservation held.
-#[inline(always)]
-fn reserved_call(
-    v: &Vcuda,
-    bytes: u64,
-    call: impl FnOnce() -> CUresult,
-) -> Result<usize, CUresult> {
-    let Some(dev) = v.current_dev() else {
-        // No context: the driver refuses it; let it say so.
-        let rc = call();
-        return Err(if rc == CUDA_SUCCESS {
-            CUDA_ERROR_INVALID_CONTEXT
-        } else {
-            rc
-        });
-    };
-    if !v.reserve(dev, bytes) {
-        return Err(refuse_for_quota(v, dev));
+/// The container's books are the shared region's totals and this process's pointer table.
+impl Books for Vcuda {
+    #[inline(always)]
+    fn current_dev(&self) -> Option<usize> {
+        Vcuda::current_dev(self)
     }
-    let rc = call();
-    if rc != CUDA_SUCCESS {
-        v.release(dev, bytes);
-        return Err(rc);
+    #[inline(always)]
+    fn reserve(&self, dev: usize, bytes: u64) -> bool {
+        Vcuda::reserve(self, dev, bytes)
     }
-    Ok(dev)
+    #[inline(always)]
+    fn release(&self, dev: usize, bytes: u64) {
+        Vcuda::release(self, dev, bytes)
+    }
+    fn refuse_for_quota(&self, dev: usize) -> CUresult {
+        refuse_for_quota(self, dev)
+    }
+    #[inline(always)]
+    fn insert(&self, ptr: u64, rec: Rec) {
+        self.allocs.insert(ptr, rec)
+    }
+    #[inline(always)]
+    fn remove(&self, ptr: u64) -> Option<Rec> {
+        self.allocs.remove(ptr)
+    }
 }
 
-/// Bring a reservation of `est` to the driver's `actual` size. `false`: the extra did not
-/// fit (the caller frees the object and reports out of memory; `est` is already released).
-fn true_up(v: &Vcuda, dev: usize, est: u64, actual: u64) -> bool {
-    if actual > est {
-        if !v.reserve(dev, actual - est) {
-            v.release(dev, est);
-            return false;
-        }
-    } else {
-        v.release(dev, est - actual);
-    }
-    true
+/// The real driver: each call forwards to the real library (zero-sized, so the generic
+/// operations cost nothing over calling it directly).
+struct RealDriver;
+
+/// A 32-bit entry point's argument (`Abi::V1`): the value came from one, so it fits.
+fn v1(x: u64) -> R<c_uint> {
+    c_uint::try_from(x).map_err(|_| CUDA_ERROR_INVALID_VALUE)
 }
+
+impl Driver for RealDriver {
+    #[inline(always)]
+    fn alloc(&self, abi: Abi, bytes: u64) -> R<u64> {
+        match abi {
+            Abi::V2 => {
+                let mut p: CUdeviceptr = 0;
+                check(forward!(MISSING, cuMemAlloc_v2(&mut p, bytes as usize)))?;
+                Ok(p)
+            }
+            Abi::V1 => {
+                let mut p: CUdeviceptr_v1 = 0;
+                check(forward!(MISSING, cuMemAlloc(&mut p, v1(bytes)?)))?;
+                Ok(u64::from(p))
+            }
+        }
+    }
+
+    fn alloc_managed(&self, bytes: u64, flags: c_uint) -> R<u64> {
+        let mut p: CUdeviceptr = 0;
+        check(forward!(
+            MISSING,
+            cuMemAllocManaged(&mut p, bytes as usize, flags)
+        ))?;
+        Ok(p)
+    }
+
+    fn alloc_pitch(&self, abi: Abi, width: u64, height: u64, elem: c_uint) -> R<(u64, u64)> {
+        match abi {
+            Abi::V2 => {
+                let (mut p, mut pitch): (CUdeviceptr, usize) = (0, 0);
+                check(forward!(
+                    MISSING,
+                    cuMemAllocPitch_v2(&mut p, &mut pitch, width as usize, height as usize, elem)
+                ))?;
+                Ok((p, pitch as u64))
+            }
+            Abi::V1 => {
+                let (mut p, mut pitch): (CUdeviceptr_v1, c_uint) = (0, 0);
+                let (w, h) = (v1(width)?, v1(height)?);
+                check(forward!(
+                    MISSING,
+                    cuMemAllocPitch(&mut p, &mut pitch, w, h, elem)
+                ))?;
+                Ok((u64::from(p), u64::from(pitch)))
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn free(&self, abi: Abi, ptr: u64) -> R<()> {
+        check(match abi {
+            Abi::V2 => forward!(MISSING, cuMemFree_v2(ptr)),
+            Abi::V1 => forward!(MISSING, cuMemFree(ptr as CUdeviceptr_v1)),
+        })
+    }
+}
+
+/// The library's state, or the error every call gets when it failed to start.
+macro_rules! state {
+    () => {
+        match cuda() {
+            Ok(v) => v,
+            Err(e) => return e,
+        }
+    };
+}
+
+/// Store a result through an out-pointer the shell checked is not NULL.
+///
+/// # Safety
+/// `out` is non-NULL and, by the API contract, writable for a `T`.
+#[inline(always)]
+unsafe fn put<T>(out: *mut T, v: T) {
+    // SAFETY: the caller's contract.
+    unsafe { out.write(v) }
+}
+
+// The shells: a NULL out-pointer or a zero size is the named bypass (nothing to count: the
+// driver gets the call unchanged and reports its own error); otherwise the safe operation
+// in `quota` runs against the real driver.
 
 unsafe fn alloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if dptr.is_null() || bytesize == 0 {
         return forward!(MISSING, cuMemAlloc_v2(dptr, bytesize));
     }
-    match reserved_call(v, counted(bytesize as u64), || {
-        forward!(MISSING, cuMemAlloc_v2(dptr, bytesize))
-    }) {
-        Ok(dev) => {
-            // SAFETY: the driver succeeded, so *dptr holds the new pointer.
-            v.allocs.insert(
-                unsafe { *dptr },
-                Rec {
-                    size: counted(bytesize as u64),
-                    dev: dev as u8,
-                    kind: Kind::Reserved,
-                },
-            );
-            CUDA_SUCCESS
-        }
-        Err(e) => e,
-    }
+    code(
+        quota::alloc(&RealDriver, v, Abi::V2, bytesize as u64).map(|p| {
+            // SAFETY: checked non-NULL above; the caller's out-pointer.
+            unsafe { put(dptr, p) }
+        }),
+    )
 }
 
 unsafe fn alloc_v1(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if dptr.is_null() || bytesize == 0 {
         return forward!(MISSING, cuMemAlloc(dptr, bytesize));
     }
-    match reserved_call(v, counted(u64::from(bytesize)), || {
-        forward!(MISSING, cuMemAlloc(dptr, bytesize))
-    }) {
-        Ok(dev) => {
-            // SAFETY: the driver succeeded, so *dptr holds the new pointer.
-            v.allocs.insert(
-                u64::from(unsafe { *dptr }),
-                Rec {
-                    size: counted(u64::from(bytesize)),
-                    dev: dev as u8,
-                    kind: Kind::Reserved,
-                },
-            );
-            CUDA_SUCCESS
-        }
-        Err(e) => e,
-    }
+    code(
+        quota::alloc(&RealDriver, v, Abi::V1, u64::from(bytesize)).map(|p| {
+            // SAFETY: checked non-NULL above; a 32-bit entry point's pointer fits its type.
+            unsafe { put(dptr, p as CUdeviceptr_v1) }
+        }),
+    )
 }
 
 unsafe fn managed(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if dptr.is_null() || bytesize == 0 {
         return forward!(MISSING, cuMemAllocManaged(dptr, bytesize, flags));
     }
-    // Managed memory may not be resident; the policy counts it against the current GPU.
-    match reserved_call(v, counted(bytesize as u64), || {
-        forward!(MISSING, cuMemAllocManaged(dptr, bytesize, flags))
-    }) {
-        Ok(dev) => {
-            // SAFETY: the driver succeeded, so *dptr holds the new pointer.
-            v.allocs.insert(
-                unsafe { *dptr },
-                Rec {
-                    size: counted(bytesize as u64),
-                    dev: dev as u8,
-                    kind: Kind::Reserved,
-                },
-            );
-            CUDA_SUCCESS
-        }
-        Err(e) => e,
-    }
-}
-
-/// Pitched allocations: the pitch is the driver's choice, so reserve the width rounded up to
-/// 512 bytes per row, then true up to `pitch × height`.
-fn pitch_common(
-    v: &Vcuda,
-    width: u64,
-    height: u64,
-    call: impl FnOnce() -> CUresult,
-    result: impl Fn() -> (u64, u64),
-    free: impl Fn(u64),
-) -> CUresult {
-    let est = width.div_ceil(512) * 512 * height;
-    match reserved_call(v, est, call) {
-        Ok(dev) => {
-            let (ptr, pitch) = result();
-            let actual = counted(pitch * height);
-            if !true_up(v, dev, est, actual) {
-                free(ptr);
-                return refuse_for_quota(v, dev);
-            }
-            v.allocs.insert(
-                ptr,
-                Rec {
-                    size: actual,
-                    dev: dev as u8,
-                    kind: Kind::Reserved,
-                },
-            );
-            CUDA_SUCCESS
-        }
-        Err(e) => e,
-    }
+    code(
+        quota::alloc_managed(&RealDriver, v, bytesize as u64, flags).map(|p| {
+            // SAFETY: checked non-NULL above.
+            unsafe { put(dptr, p) }
+        }),
+    )
 }
 
 unsafe fn pitch_v2(
@@ -242,32 +236,21 @@ unsafe fn pitch_v2(
     height: usize,
     elem: c_uint,
 ) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if dptr.is_null() || pitch.is_null() || width == 0 || height == 0 {
         return forward!(
             MISSING,
             cuMemAllocPitch_v2(dptr, pitch, width, height, elem)
         );
     }
-    pitch_common(
-        v,
-        width as u64,
-        height as u64,
-        || {
-            forward!(
-                MISSING,
-                cuMemAllocPitch_v2(dptr, pitch, width, height, elem)
-            )
-        },
-        // SAFETY: read after the driver wrote both outputs.
-        || unsafe { (*dptr, *pitch as u64) },
-        |p| {
-            forward!(MISSING, cuMemFree_v2(p));
-        },
-    )
+    let r = quota::alloc_pitch(&RealDriver, v, Abi::V2, width as u64, height as u64, elem);
+    code(r.map(|(p, row)| {
+        // SAFETY: both checked non-NULL above.
+        unsafe {
+            put(dptr, p);
+            put(pitch, row as usize);
+        }
+    }))
 }
 
 unsafe fn pitch_v1(
@@ -277,55 +260,44 @@ unsafe fn pitch_v1(
     height: c_uint,
     elem: c_uint,
 ) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if dptr.is_null() || pitch.is_null() || width == 0 || height == 0 {
         return forward!(MISSING, cuMemAllocPitch(dptr, pitch, width, height, elem));
     }
-    pitch_common(
-        v,
-        u64::from(width),
-        u64::from(height),
-        || forward!(MISSING, cuMemAllocPitch(dptr, pitch, width, height, elem)),
-        // SAFETY: read after the driver wrote both outputs.
-        || unsafe { (u64::from(*dptr), u64::from(*pitch)) },
-        |p| {
-            forward!(MISSING, cuMemFree(p as CUdeviceptr_v1));
-        },
+    let (w, h) = (u64::from(width), u64::from(height));
+    code(
+        quota::alloc_pitch(&RealDriver, v, Abi::V1, w, h, elem).map(|(p, row)| {
+            // SAFETY: both checked non-NULL above; a 32-bit entry point's values fit.
+            unsafe {
+                put(dptr, p as CUdeviceptr_v1);
+                put(pitch, row as c_uint);
+            }
+        }),
     )
 }
 
-/// Free: forget the pointer first (so the driver cannot hand the same address to another
-/// thread before we have), free, then release what it reserved; put it back if the driver
-/// refuses.
-#[inline(always)]
-fn free_common(v: &Vcuda, ptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    let rec = v.allocs.remove(ptr);
-    let rc = call();
-    match rec {
-        Some(r) if rc != CUDA_SUCCESS => v.allocs.insert(ptr, r),
-        Some(r) if r.kind == Kind::Reserved => v.release(r.dev as usize, r.size),
-        _ => {}
-    }
-    rc
-}
-
 unsafe fn free_v2(dptr: CUdeviceptr) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
-    free_common(v, dptr, || forward!(MISSING, cuMemFree_v2(dptr)))
+    let v = state!();
+    code(quota::free(&RealDriver, v, Abi::V2, dptr))
 }
 
 unsafe fn free_v1(dptr: CUdeviceptr_v1) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
-    free_common(v, u64::from(dptr), || forward!(MISSING, cuMemFree(dptr)))
+    let v = state!();
+    code(quota::free(&RealDriver, v, Abi::V1, u64::from(dptr)))
+}
+
+/// Reserve `bytes` on the current context's GPU, run `call`, roll back on failure
+/// ([`quota::reserved`] for the calls whose result the caller reads through its own
+/// pointers). `Ok(dev)` means the call succeeded with the reservation held.
+#[inline(always)]
+fn reserved_call(v: &Vcuda, bytes: u64, call: impl FnOnce() -> CUresult) -> R<usize> {
+    quota::reserved(v, bytes, || check(call()), |()| {}).map(|(dev, ())| dev)
+}
+
+/// Free through `call` by the rule of [`quota::free`].
+#[inline(always)]
+fn free_common(v: &Vcuda, ptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    code(quota::free_with(v, ptr, || check(call())))
 }
 
 // ---- arrays ------------------------------------------------------------------------------

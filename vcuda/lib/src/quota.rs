@@ -1,0 +1,573 @@
+//! The device-memory quota as safe operations: reserve in the container's books *before*
+//! the driver call (refusing with `CUDA_ERROR_OUT_OF_MEMORY` when the total would pass the
+//! quota), roll back if the driver fails, release on free. Written against two traits, so
+//! the rules are unit- and property-tested without a driver or a shared region:
+//! - [`Driver`]: the driver's allocation calls. The real one is `memory::Real`, a zero-sized
+//!   type whose methods forward to the real library (no cost on the hot path).
+//! - [`Books`]: what the container has counted: the shared region's per-GPU totals and this
+//!   process's pointer table (`init::Vcuda`).
+//!
+//! The `extern "C"` shells in `memory` only turn pointers into values and back; a call
+//! whose arguments the library cannot count (a NULL out-pointer, a zero size) is a named
+//! bypass there and goes to the driver unchanged, which reports its own error.
+
+use std::ffi::c_uint;
+
+use crate::ffi::{CUresult, CUDA_ERROR_INVALID_CONTEXT, CUDA_SUCCESS};
+use crate::table::{Kind, Rec};
+
+/// What an operation returns: a value, or the `CUresult` the application sees.
+pub(crate) type R<T> = Result<T, CUresult>;
+
+/// Allocations are counted rounded up to this: the driver's minimum alignment, so the count
+/// is what the device holds. Coarser rounding by a real driver shows up as hidden memory.
+pub const ALLOC_GRANULE: u64 = 512;
+
+/// `bytes` as counted: rounded up to [`ALLOC_GRANULE`].
+#[inline(always)]
+pub(crate) fn counted(bytes: u64) -> u64 {
+    bytes.div_ceil(ALLOC_GRANULE) * ALLOC_GRANULE
+}
+
+/// Which generation of an entry point: the original ones (`cuMemAlloc`, `cuMemFree`,
+/// `cuMemAllocPitch`) take 32-bit device pointers and sizes, the `_v2` ones 64-bit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Abi {
+    V1,
+    V2,
+}
+
+/// The driver's allocation calls, as values. Errors are the driver's own `CUresult`.
+pub(crate) trait Driver {
+    /// `cuMemAlloc(_v2)`: a new device pointer.
+    fn alloc(&self, abi: Abi, bytes: u64) -> R<u64>;
+    /// `cuMemAllocManaged`.
+    fn alloc_managed(&self, bytes: u64, flags: c_uint) -> R<u64>;
+    /// `cuMemAllocPitch(_v2)`: the pointer and the pitch the driver chose.
+    fn alloc_pitch(&self, abi: Abi, width: u64, height: u64, elem: c_uint) -> R<(u64, u64)>;
+    /// `cuMemFree(_v2)`.
+    fn free(&self, abi: Abi, ptr: u64) -> R<()>;
+}
+
+/// What the container has counted, and this process's live allocations.
+pub(crate) trait Books {
+    /// The GPU (config index) of the calling thread's current context, if any.
+    fn current_dev(&self) -> Option<usize>;
+    /// Count `bytes` more on `dev` if the container's total stays within its quota.
+    fn reserve(&self, dev: usize, bytes: u64) -> bool;
+    /// Count `bytes` less on `dev`.
+    fn release(&self, dev: usize, bytes: u64);
+    /// The library refuses a call on `dev` for the quota: count the refusal (the manager
+    /// exports it) and return `CUDA_ERROR_OUT_OF_MEMORY`.
+    fn refuse_for_quota(&self, dev: usize) -> CUresult;
+    /// Remember a live allocation.
+    fn insert(&self, ptr: u64, rec: Rec);
+    /// Forget a live allocation, returning what it counted.
+    fn remove(&self, ptr: u64) -> Option<Rec>;
+}
+
+/// Reserve `bytes` on the current context's GPU, run `call`, roll back if it fails.
+/// `Ok(dev)` means the call succeeded with the reservation held. With no current context
+/// nothing can be counted, so the driver's own verdict is returned (it refuses such a call;
+/// `undo` releases what it made if it did not).
+#[inline(always)]
+pub(crate) fn reserved<T>(
+    b: &impl Books,
+    bytes: u64,
+    call: impl FnOnce() -> R<T>,
+    undo: impl FnOnce(T),
+) -> R<(usize, T)> {
+    let Some(dev) = b.current_dev() else {
+        let made = call()?;
+        undo(made);
+        return Err(CUDA_ERROR_INVALID_CONTEXT);
+    };
+    if !b.reserve(dev, bytes) {
+        return Err(b.refuse_for_quota(dev));
+    }
+    match call() {
+        Ok(made) => Ok((dev, made)),
+        Err(e) => {
+            b.release(dev, bytes);
+            Err(e)
+        }
+    }
+}
+
+/// Bring a reservation of `est` to the driver's `actual` size. `false`: the extra did not
+/// fit (the caller frees the object and reports out of memory; `est` is already released).
+pub(crate) fn true_up(b: &impl Books, dev: usize, est: u64, actual: u64) -> bool {
+    if actual > est {
+        if !b.reserve(dev, actual - est) {
+            b.release(dev, est);
+            return false;
+        }
+    } else {
+        b.release(dev, est - actual);
+    }
+    true
+}
+
+fn reserved_rec(size: u64, dev: usize) -> Rec {
+    Rec {
+        size,
+        // config indices are below contract::MAX_GPUS (16), so this is lossless
+        dev: dev as u8,
+        kind: Kind::Reserved,
+    }
+}
+
+/// `cuMemAlloc(_v2)` of `bytes` (not 0: the shell's bypass).
+#[inline(always)]
+pub(crate) fn alloc(d: &impl Driver, b: &impl Books, abi: Abi, bytes: u64) -> R<u64> {
+    let size = counted(bytes);
+    let (dev, ptr) = reserved(
+        b,
+        size,
+        || d.alloc(abi, bytes),
+        |p| {
+            let _ = d.free(abi, p);
+        },
+    )?;
+    b.insert(ptr, reserved_rec(size, dev));
+    Ok(ptr)
+}
+
+/// `cuMemAllocManaged`: managed memory may not be resident; the policy counts it against
+/// the current GPU.
+pub(crate) fn alloc_managed(d: &impl Driver, b: &impl Books, bytes: u64, flags: c_uint) -> R<u64> {
+    let size = counted(bytes);
+    let (dev, ptr) = reserved(
+        b,
+        size,
+        || d.alloc_managed(bytes, flags),
+        |p| {
+            let _ = d.free(Abi::V2, p);
+        },
+    )?;
+    b.insert(ptr, reserved_rec(size, dev));
+    Ok(ptr)
+}
+
+/// `cuMemAllocPitch(_v2)` (width and height not 0): the pitch is the driver's choice, so
+/// reserve the width rounded up to 512 bytes per row, then true up to `pitch × height`.
+pub(crate) fn alloc_pitch(
+    d: &impl Driver,
+    b: &impl Books,
+    abi: Abi,
+    width: u64,
+    height: u64,
+    elem: c_uint,
+) -> R<(u64, u64)> {
+    let est = width
+        .div_ceil(512)
+        .saturating_mul(512)
+        .saturating_mul(height);
+    let (dev, (ptr, pitch)) = reserved(
+        b,
+        est,
+        || d.alloc_pitch(abi, width, height, elem),
+        |(p, _)| {
+            let _ = d.free(abi, p);
+        },
+    )?;
+    let actual = counted(pitch.saturating_mul(height));
+    if !true_up(b, dev, est, actual) {
+        let _ = d.free(abi, ptr);
+        return Err(b.refuse_for_quota(dev));
+    }
+    b.insert(ptr, reserved_rec(actual, dev));
+    Ok((ptr, pitch))
+}
+
+/// `cuMemFree(_v2)`: forget the pointer first (so the driver cannot hand the same address to
+/// another thread before we have), free, then release what it reserved; put it back if the
+/// driver refuses. A pointer the library does not know (a pool's, or not an allocation at
+/// all) is the driver's to judge.
+#[inline(always)]
+pub(crate) fn free(d: &impl Driver, b: &impl Books, abi: Abi, ptr: u64) -> R<()> {
+    free_with(b, ptr, || d.free(abi, ptr))
+}
+
+/// [`free`] with the driver call as `call` (the stream-ordered frees share the rule).
+#[inline(always)]
+pub(crate) fn free_with(b: &impl Books, ptr: u64, call: impl FnOnce() -> R<()>) -> R<()> {
+    let rec = b.remove(ptr);
+    let rc = call();
+    match rec {
+        Some(r) if rc.is_err() => b.insert(ptr, r),
+        Some(r) if r.kind == Kind::Reserved => b.release(usize::from(r.dev), r.size),
+        _ => {}
+    }
+    rc
+}
+
+/// A `CUresult` as an operation's result.
+#[inline(always)]
+pub(crate) fn check(rc: CUresult) -> R<()> {
+    if rc == CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(rc)
+    }
+}
+
+/// An operation's result as the `CUresult` the application sees.
+#[inline(always)]
+pub(crate) fn code(r: R<()>) -> CUresult {
+    match r {
+        Ok(()) => CUDA_SUCCESS,
+        Err(e) => e,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod fake {
+    //! A recording driver and in-memory books, for the operations' tests.
+
+    use std::cell::RefCell;
+    use std::collections::{BTreeMap, VecDeque};
+
+    use super::*;
+    use crate::ffi::CUDA_ERROR_OUT_OF_MEMORY;
+
+    /// One call the operations made.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Call {
+        Alloc(Abi, u64),
+        Managed(u64),
+        Pitch(Abi, u64, u64),
+        Free(Abi, u64),
+    }
+
+    /// A driver whose device holds `capacity` bytes; `fail` queues errors for the next
+    /// allocation calls; `pitch` is the row alignment it picks.
+    pub struct FakeDriver {
+        pub calls: RefCell<Vec<Call>>,
+        pub live: RefCell<BTreeMap<u64, u64>>,
+        pub fail: RefCell<VecDeque<CUresult>>,
+        pub refuse_free: RefCell<bool>,
+        pub pitch: u64,
+        next: RefCell<u64>,
+    }
+
+    impl FakeDriver {
+        pub fn new() -> FakeDriver {
+            FakeDriver {
+                calls: RefCell::new(Vec::new()),
+                live: RefCell::new(BTreeMap::new()),
+                fail: RefCell::new(VecDeque::new()),
+                refuse_free: RefCell::new(false),
+                pitch: 512,
+                next: RefCell::new(0x7f00_0000_0000),
+            }
+        }
+
+        fn make(&self, bytes: u64) -> R<u64> {
+            if let Some(e) = self.fail.borrow_mut().pop_front() {
+                return Err(e);
+            }
+            let mut next = self.next.borrow_mut();
+            let p = *next;
+            *next += counted(bytes.max(1)) + 0x1000;
+            self.live.borrow_mut().insert(p, bytes);
+            Ok(p)
+        }
+    }
+
+    impl Driver for FakeDriver {
+        fn alloc(&self, abi: Abi, bytes: u64) -> R<u64> {
+            self.calls.borrow_mut().push(Call::Alloc(abi, bytes));
+            self.make(bytes)
+        }
+        fn alloc_managed(&self, bytes: u64, _flags: c_uint) -> R<u64> {
+            self.calls.borrow_mut().push(Call::Managed(bytes));
+            self.make(bytes)
+        }
+        fn alloc_pitch(&self, abi: Abi, width: u64, height: u64, _elem: c_uint) -> R<(u64, u64)> {
+            self.calls
+                .borrow_mut()
+                .push(Call::Pitch(abi, width, height));
+            let pitch = width.div_ceil(self.pitch) * self.pitch;
+            Ok((self.make(pitch * height)?, pitch))
+        }
+        fn free(&self, abi: Abi, ptr: u64) -> R<()> {
+            self.calls.borrow_mut().push(Call::Free(abi, ptr));
+            if *self.refuse_free.borrow() {
+                return Err(crate::ffi::CUDA_ERROR_INVALID_VALUE);
+            }
+            match self.live.borrow_mut().remove(&ptr) {
+                Some(_) => Ok(()),
+                None => Err(crate::ffi::CUDA_ERROR_INVALID_VALUE),
+            }
+        }
+    }
+
+    /// Books of one container on `limits.len()` GPUs, the calling thread's context on
+    /// `dev` (None: no context).
+    pub struct FakeBooks {
+        pub limits: Vec<u64>,
+        pub used: RefCell<Vec<u64>>,
+        pub recs: RefCell<BTreeMap<u64, Rec>>,
+        pub refusals: RefCell<u64>,
+        pub dev: Option<usize>,
+    }
+
+    impl FakeBooks {
+        pub fn new(limits: &[u64]) -> FakeBooks {
+            FakeBooks {
+                limits: limits.to_vec(),
+                used: RefCell::new(vec![0; limits.len()]),
+                recs: RefCell::new(BTreeMap::new()),
+                refusals: RefCell::new(0),
+                dev: Some(0),
+            }
+        }
+
+        pub fn used(&self, dev: usize) -> u64 {
+            self.used.borrow()[dev]
+        }
+    }
+
+    impl Books for FakeBooks {
+        fn current_dev(&self) -> Option<usize> {
+            self.dev
+        }
+        fn reserve(&self, dev: usize, bytes: u64) -> bool {
+            let mut used = self.used.borrow_mut();
+            match used[dev].checked_add(bytes) {
+                Some(n) if n <= self.limits[dev] => {
+                    used[dev] = n;
+                    true
+                }
+                _ => false,
+            }
+        }
+        fn release(&self, dev: usize, bytes: u64) {
+            let mut used = self.used.borrow_mut();
+            assert!(
+                used[dev] >= bytes,
+                "released {bytes} on GPU {dev}, more than counted"
+            );
+            used[dev] -= bytes;
+        }
+        fn refuse_for_quota(&self, _dev: usize) -> CUresult {
+            *self.refusals.borrow_mut() += 1;
+            CUDA_ERROR_OUT_OF_MEMORY
+        }
+        fn insert(&self, ptr: u64, rec: Rec) {
+            self.recs.borrow_mut().insert(ptr, rec);
+        }
+        fn remove(&self, ptr: u64) -> Option<Rec> {
+            self.recs.borrow_mut().remove(&ptr)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::*;
+    use super::*;
+    use crate::ffi::{CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn an_allocation_counts_its_rounded_size_until_it_is_freed() {
+        let (d, b) = (FakeDriver::new(), FakeBooks::new(&[4 * MIB]));
+        let p = alloc(&d, &b, Abi::V2, 1000).unwrap();
+        assert_eq!(b.used(0), 1024, "1000 bytes count as two 512-byte granules");
+        assert_eq!(b.recs.borrow()[&p].size, 1024);
+        free(&d, &b, Abi::V2, p).unwrap();
+        assert_eq!(b.used(0), 0);
+        assert!(d.live.borrow().is_empty() && b.recs.borrow().is_empty());
+    }
+
+    #[test]
+    fn over_the_quota_the_driver_is_never_asked_and_the_refusal_is_counted() {
+        let (d, b) = (FakeDriver::new(), FakeBooks::new(&[4 * MIB]));
+        alloc(&d, &b, Abi::V2, 3 * MIB).unwrap();
+        assert_eq!(
+            alloc(&d, &b, Abi::V2, 2 * MIB),
+            Err(CUDA_ERROR_OUT_OF_MEMORY)
+        );
+        assert_eq!(
+            d.calls.borrow().len(),
+            1,
+            "the refused call never reached the driver"
+        );
+        assert_eq!((*b.refusals.borrow(), b.used(0)), (1, 3 * MIB));
+        // what is left still fits
+        alloc(&d, &b, Abi::V1, MIB).unwrap();
+        assert_eq!(b.used(0), 4 * MIB);
+    }
+
+    #[test]
+    fn a_driver_failure_rolls_the_reservation_back_and_is_passed_on_uncounted() {
+        let (d, b) = (FakeDriver::new(), FakeBooks::new(&[4 * MIB]));
+        d.fail.borrow_mut().push_back(CUDA_ERROR_OUT_OF_MEMORY);
+        assert_eq!(alloc(&d, &b, Abi::V2, MIB), Err(CUDA_ERROR_OUT_OF_MEMORY));
+        assert_eq!(b.used(0), 0);
+        assert_eq!(
+            *b.refusals.borrow(),
+            0,
+            "the driver's own out-of-memory is not a quota refusal"
+        );
+    }
+
+    #[test]
+    fn without_a_context_nothing_is_counted_and_nothing_is_kept() {
+        let (d, mut b) = (FakeDriver::new(), FakeBooks::new(&[4 * MIB]));
+        b.dev = None;
+        assert_eq!(alloc(&d, &b, Abi::V2, MIB), Err(CUDA_ERROR_INVALID_CONTEXT));
+        assert!(
+            d.live.borrow().is_empty(),
+            "what the driver made anyway was freed"
+        );
+        d.fail.borrow_mut().push_back(CUDA_ERROR_INVALID_CONTEXT);
+        assert_eq!(alloc(&d, &b, Abi::V2, MIB), Err(CUDA_ERROR_INVALID_CONTEXT));
+        assert_eq!(b.used(0), 0);
+    }
+
+    #[test]
+    fn a_pitched_allocation_is_trued_up_to_the_drivers_pitch() {
+        let (mut d, b) = (FakeDriver::new(), FakeBooks::new(&[4 * MIB]));
+        d.pitch = 4096;
+        let (p, pitch) = alloc_pitch(&d, &b, Abi::V2, 1000, 100, 4).unwrap();
+        assert_eq!(pitch, 4096);
+        assert_eq!(
+            b.used(0),
+            4096 * 100,
+            "what the driver holds, not the 512-byte estimate"
+        );
+        free(&d, &b, Abi::V2, p).unwrap();
+        assert_eq!(b.used(0), 0);
+    }
+
+    #[test]
+    fn a_pitch_that_does_not_fit_frees_the_allocation_and_refuses() {
+        let (mut d, b) = (FakeDriver::new(), FakeBooks::new(&[MIB]));
+        d.pitch = 8192;
+        // estimate 512 × 200 = 100 KiB fits, the driver's 8 KiB pitch × 200 = 1.6 MiB does not
+        assert_eq!(
+            alloc_pitch(&d, &b, Abi::V1, 500, 200, 4),
+            Err(CUDA_ERROR_OUT_OF_MEMORY)
+        );
+        assert_eq!(b.used(0), 0);
+        assert!(
+            d.live.borrow().is_empty(),
+            "the over-quota allocation went back to the driver"
+        );
+        assert_eq!(*b.refusals.borrow(), 1);
+    }
+
+    #[test]
+    fn a_free_the_driver_refuses_keeps_the_allocation_counted() {
+        let (d, b) = (FakeDriver::new(), FakeBooks::new(&[4 * MIB]));
+        let p = alloc(&d, &b, Abi::V2, MIB).unwrap();
+        *d.refuse_free.borrow_mut() = true;
+        assert_eq!(free(&d, &b, Abi::V2, p), Err(CUDA_ERROR_INVALID_VALUE));
+        assert_eq!((b.used(0), b.recs.borrow().contains_key(&p)), (MIB, true));
+        *d.refuse_free.borrow_mut() = false;
+        free(&d, &b, Abi::V2, p).unwrap();
+        assert_eq!(b.used(0), 0);
+    }
+
+    #[test]
+    fn freeing_an_unknown_pointer_releases_nothing_and_reports_the_drivers_verdict() {
+        let (d, b) = (FakeDriver::new(), FakeBooks::new(&[4 * MIB]));
+        let p = alloc(&d, &b, Abi::V2, MIB).unwrap();
+        assert_eq!(
+            free(&d, &b, Abi::V2, 0xdead_0000),
+            Err(CUDA_ERROR_INVALID_VALUE)
+        );
+        free(&d, &b, Abi::V2, p).unwrap();
+        assert_eq!(
+            free(&d, &b, Abi::V2, p),
+            Err(CUDA_ERROR_INVALID_VALUE),
+            "a double free"
+        );
+        assert_eq!(b.used(0), 0, "the second free released nothing");
+    }
+
+    #[test]
+    fn each_gpu_has_its_own_quota() {
+        let (d, mut b) = (FakeDriver::new(), FakeBooks::new(&[MIB, 2 * MIB]));
+        b.dev = Some(1);
+        alloc(&d, &b, Abi::V2, 2 * MIB).unwrap();
+        b.dev = Some(0);
+        assert_eq!(
+            alloc(&d, &b, Abi::V2, 2 * MIB),
+            Err(CUDA_ERROR_OUT_OF_MEMORY)
+        );
+        let p = alloc_managed(&d, &b, MIB, 1).unwrap();
+        assert_eq!(
+            (b.used(0), b.used(1), b.recs.borrow()[&p].dev),
+            (MIB, 2 * MIB, 0)
+        );
+    }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Alloc(u64, bool),
+            Pitch(u64, u64, bool),
+            Managed(u64),
+            Free(usize),
+            RefusedFree(usize),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (1u64..3 * MIB, any::<bool>()).prop_map(|(n, f)| Op::Alloc(n, f)),
+                (1u64..8192, 1u64..300, any::<bool>()).prop_map(|(w, h, f)| Op::Pitch(w, h, f)),
+                (1u64..MIB).prop_map(Op::Managed),
+                (0usize..16).prop_map(Op::Free),
+                (0usize..16).prop_map(Op::RefusedFree),
+            ]
+        }
+
+        proptest! {
+            /// Whatever the sequence of allocations, driver failures and frees: the books
+            /// never pass the quota, count exactly what is live (rounded), and the driver
+            /// holds exactly the allocations the books know.
+            #[test]
+            fn the_books_match_the_driver_and_never_pass_the_quota(
+                ops in proptest::collection::vec(op(), 1..60),
+                limit in 1u64..8 * MIB,
+                pitch_align in prop_oneof![Just(512u64), Just(4096), Just(65536)],
+            ) {
+                let (mut d, b) = (FakeDriver::new(), FakeBooks::new(&[limit]));
+                d.pitch = pitch_align;
+                let d = d;
+                let mut live: Vec<u64> = Vec::new();
+                for op in ops {
+                    let fail = |f: bool| if f { d.fail.borrow_mut().push_back(CUDA_ERROR_OUT_OF_MEMORY) };
+                    match op {
+                        Op::Alloc(n, f) => { fail(f); if let Ok(p) = alloc(&d, &b, Abi::V2, n) { live.push(p) } }
+                        Op::Pitch(w, h, f) => { fail(f); if let Ok((p, _)) = alloc_pitch(&d, &b, Abi::V2, w, h, 4) { live.push(p) } }
+                        Op::Managed(n) => { if let Ok(p) = alloc_managed(&d, &b, n, 1) { live.push(p) } }
+                        Op::Free(i) if !live.is_empty() => { let p = live.remove(i % live.len()); prop_assert!(free(&d, &b, Abi::V2, p).is_ok()) }
+                        Op::RefusedFree(i) if !live.is_empty() => {
+                            *d.refuse_free.borrow_mut() = true;
+                            prop_assert!(free(&d, &b, Abi::V2, live[i % live.len()]).is_err());
+                            *d.refuse_free.borrow_mut() = false;
+                        }
+                        _ => {}
+                    }
+                    d.fail.borrow_mut().clear();
+                    let recs = b.recs.borrow();
+                    prop_assert!(b.used(0) <= limit);
+                    prop_assert_eq!(b.used(0), recs.values().map(|r| r.size).sum::<u64>());
+                    prop_assert_eq!(recs.keys().copied().collect::<Vec<_>>(), d.live.borrow().keys().copied().collect::<Vec<_>>());
+                    for (p, r) in recs.iter() {
+                        prop_assert!(r.size >= d.live.borrow()[p], "counted at least what the driver holds");
+                    }
+                }
+            }
+        }
+    }
+}
