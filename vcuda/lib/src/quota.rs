@@ -2,9 +2,9 @@
 //! the driver call (refusing with `CUDA_ERROR_OUT_OF_MEMORY` when the total would pass the
 //! quota), roll back if the driver fails, release on free. Written against two traits, so
 //! the rules are unit- and property-tested without a driver or a shared region:
-//! - [`Driver`]: the driver's allocation calls. The real one is `memory::Real`, a zero-sized
+//! - `Driver`: the driver's allocation calls. The real one is `memory::Real`, a zero-sized
 //!   type whose methods forward to the real library (no cost on the hot path).
-//! - [`Books`]: what the container has counted: the shared region's per-GPU totals and this
+//! - `Books`: what the container has counted: the shared region's per-GPU totals and this
 //!   process's pointer table (`init::Vcuda`).
 //!
 //! The `extern "C"` shells in `memory` only turn pointers into values and back; a call
