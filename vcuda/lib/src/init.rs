@@ -37,10 +37,8 @@ pub struct Failure {
 pub struct Objects {
     /// CUarray / CUmipmappedArray → (bytes, GPU).
     pub arrays: HashMap<usize, (u64, usize)>,
-    /// VMM handle → (bytes, GPU, references, mappings).
-    pub vmm: HashMap<u64, Vmm>,
-    /// VMM mapping address → (size, handle).
-    pub mappings: HashMap<u64, (u64, u64)>,
+    /// VMM handles and their mappings (`quota::VmmHandles`).
+    pub(crate) vmm: crate::quota::VmmHandles,
     /// Memory pool → (GPU, bytes reserved for it).
     pub pools: HashMap<usize, (usize, u64)>,
     /// Graph memory reserved per GPU, as last read.
@@ -84,14 +82,6 @@ impl Visible {
         self.len_plus_one
             .store(vis.len().min(MAX_GPUS) + 1, Release);
     }
-}
-
-#[derive(Debug, Clone, Copy)]
-pub struct Vmm {
-    pub bytes: u64,
-    pub dev: usize,
-    pub refs: u32,
-    pub maps: u32,
 }
 
 pub struct Vcuda {

@@ -9,7 +9,7 @@
 use std::ffi::{c_uint, c_void};
 
 use crate::ffi::*;
-use crate::init::{cuda, Vcuda, Vmm};
+use crate::init::{cuda, Vcuda};
 use crate::quota::{self, check, code, counted, true_up, Abi, Books, Driver, R};
 use crate::table::{Kind, Rec};
 
@@ -377,10 +377,7 @@ fn array_common(
 }
 
 unsafe fn array_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if handle.is_null() || desc.is_null() {
         return forward!(MISSING, cuArrayCreate_v2(handle, desc));
     }
@@ -393,10 +390,7 @@ unsafe fn array_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> 
 }
 
 unsafe fn array_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if handle.is_null() || desc.is_null() {
         return forward!(MISSING, cuArrayCreate(handle, desc));
     }
@@ -415,10 +409,7 @@ unsafe fn array_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) 
 }
 
 unsafe fn array3d_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if handle.is_null() || desc.is_null() {
         return forward!(MISSING, cuArray3DCreate_v2(handle, desc));
     }
@@ -437,10 +428,7 @@ unsafe fn array3d_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR)
 }
 
 unsafe fn array3d_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_v1) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if handle.is_null() || desc.is_null() {
         return forward!(MISSING, cuArray3DCreate(handle, desc));
     }
@@ -465,10 +453,7 @@ fn forget_object(v: &Vcuda, key: usize) {
 }
 
 unsafe fn array_destroy(handle: CUarray) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     let rc = forward!(MISSING, cuArrayDestroy(handle));
     if rc == CUDA_SUCCESS {
         forget_object(v, handle as usize);
@@ -481,10 +466,7 @@ unsafe fn mipmap_create(
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
     levels: c_uint,
 ) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     if handle.is_null() || desc.is_null() || levels == 0 {
         return forward!(MISSING, cuMipmappedArrayCreate(handle, desc, levels));
     }
@@ -537,10 +519,7 @@ unsafe fn mipmap_create(
 }
 
 unsafe fn mipmap_destroy(handle: CUmipmappedArray) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     let rc = forward!(MISSING, cuMipmappedArrayDestroy(handle));
     if rc == CUDA_SUCCESS {
         forget_object(v, handle as usize);
@@ -550,15 +529,10 @@ unsafe fn mipmap_destroy(handle: CUmipmappedArray) -> CUresult {
 
 // ---- virtual memory management -----------------------------------------------------------
 
-/// Free a VMM handle's quota once it is released and unmapped (as the driver frees it).
-fn vmm_settle(v: &Vcuda, handle: u64) {
-    let mut o = v.objs.lock();
-    if let Some(e) = o.vmm.get(&handle).copied() {
-        if e.refs == 0 && e.maps == 0 {
-            o.vmm.remove(&handle);
-            drop(o);
-            v.release(e.dev, e.bytes);
-        }
+/// Release what the books hold for VMM handles the driver has now freed.
+fn release_all(v: &Vcuda, freed: impl IntoIterator<Item = (usize, u64)>) {
+    for (dev, bytes) in freed {
+        v.release(dev, bytes);
     }
 }
 
@@ -568,10 +542,7 @@ unsafe fn vmm_create(
     prop: *const CUmemAllocationProp,
     flags: u64,
 ) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     // SAFETY: a non-NULL property struct the caller passed.
     let dev_ord = (!prop.is_null())
         .then(|| unsafe { &(*prop).location })
@@ -592,45 +563,27 @@ unsafe fn vmm_create(
     }
     // SAFETY: the driver succeeded, so *handle is the new allocation handle.
     let h = unsafe { *handle };
-    v.objs.lock().vmm.insert(
-        h,
-        Vmm {
-            bytes: size as u64,
-            dev,
-            refs: 1,
-            maps: 0,
-        },
-    );
+    v.objs.lock().vmm.created(h, size as u64, dev);
     rc
 }
 
 unsafe fn vmm_release(handle: CUmemGenericAllocationHandle) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     let rc = forward!(MISSING, cuMemRelease(handle));
     if rc == CUDA_SUCCESS {
-        if let Some(e) = v.objs.lock().vmm.get_mut(&handle) {
-            e.refs = e.refs.saturating_sub(1);
-        }
-        vmm_settle(v, handle);
+        let freed = v.objs.lock().vmm.released(handle);
+        release_all(v, freed);
     }
     rc
 }
 
 unsafe fn vmm_retain(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     let rc = forward!(MISSING, cuMemRetainAllocationHandle(handle, addr));
     if rc == CUDA_SUCCESS && !handle.is_null() {
         // SAFETY: the driver wrote the handle.
         let h = unsafe { *handle };
-        if let Some(e) = v.objs.lock().vmm.get_mut(&h) {
-            e.refs += 1;
-        }
+        v.objs.lock().vmm.retained(h);
     }
     rc
 }
@@ -642,51 +595,20 @@ unsafe fn vmm_map(
     handle: CUmemGenericAllocationHandle,
     flags: u64,
 ) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     let rc = forward!(MISSING, cuMemMap(ptr, size, offset, handle, flags));
     if rc == CUDA_SUCCESS {
-        let mut o = v.objs.lock();
-        if let Some(e) = o.vmm.get_mut(&handle) {
-            e.maps += 1;
-            o.mappings.insert(ptr, (size as u64, handle));
-        }
+        v.objs.lock().vmm.mapped(ptr, size as u64, handle);
     }
     rc
 }
 
 unsafe fn vmm_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     let rc = forward!(MISSING, cuMemUnmap(ptr, size));
     if rc == CUDA_SUCCESS {
-        let end = ptr.saturating_add(size as u64);
-        let gone: Vec<u64> = {
-            let mut o = v.objs.lock();
-            let keys: Vec<u64> = o
-                .mappings
-                .keys()
-                .copied()
-                .filter(|&k| k >= ptr && k < end)
-                .collect();
-            let mut handles = Vec::new();
-            for k in keys {
-                if let Some((_, h)) = o.mappings.remove(&k) {
-                    if let Some(e) = o.vmm.get_mut(&h) {
-                        e.maps = e.maps.saturating_sub(1);
-                    }
-                    handles.push(h);
-                }
-            }
-            handles
-        };
-        for h in gone {
-            vmm_settle(v, h);
-        }
+        let freed = v.objs.lock().vmm.unmapped(ptr, size as u64);
+        release_all(v, freed);
     }
     rc
 }
@@ -882,10 +804,7 @@ unsafe fn free_async_ptsz(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
 }
 
 unsafe fn pool_create(pool: *mut CUmemoryPool, props: *const CUmemPoolProps) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     let rc = forward!(MISSING, cuMemPoolCreate(pool, props));
     if rc == CUDA_SUCCESS && !props.is_null() {
         // SAFETY: non-NULL props the caller passed; the driver wrote *pool.
@@ -900,10 +819,7 @@ unsafe fn pool_create(pool: *mut CUmemoryPool, props: *const CUmemPoolProps) -> 
 }
 
 unsafe fn pool_destroy(pool: CUmemoryPool) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     let rc = forward!(MISSING, cuMemPoolDestroy(pool));
     if rc == CUDA_SUCCESS {
         if let Some((dev, bytes)) = v.objs.lock().pools.remove(&(pool as usize)) {
@@ -941,10 +857,7 @@ unsafe fn event_sync(event: CUevent) -> CUresult {
 }
 
 unsafe fn pool_trim(pool: CUmemoryPool, keep: usize) -> CUresult {
-    let v = match cuda() {
-        Ok(v) => v,
-        Err(e) => return e,
-    };
+    let v = state!();
     let rc = {
         let _shared = v.pool_sync.read();
         forward!(MISSING, cuMemPoolTrimTo(pool, keep))

@@ -11,6 +11,7 @@
 //! whose arguments the library cannot count (a NULL out-pointer, a zero size) is a named
 //! bypass there and goes to the driver unchanged, which reports its own error.
 
+use std::collections::HashMap;
 use std::ffi::c_uint;
 
 use crate::ffi::{CUresult, CUDA_ERROR_INVALID_CONTEXT, CUDA_SUCCESS};
@@ -218,6 +219,93 @@ pub(crate) fn code(r: R<()>) -> CUresult {
     match r {
         Ok(()) => CUDA_SUCCESS,
         Err(e) => e,
+    }
+}
+
+/// One VMM allocation handle: its bytes and GPU, references (`cuMemCreate`'s and each
+/// `cuMemRetainAllocationHandle`'s) and mappings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Vmm {
+    bytes: u64,
+    dev: usize,
+    refs: u32,
+    maps: u32,
+}
+
+/// The VMM handles' lifecycle, as the driver frees their memory: a handle's bytes are
+/// counted from `cuMemCreate` until it is both released (every reference) and unmapped
+/// everywhere. Each method returns the (GPU, bytes) the books release, at most once per
+/// handle; handles the library did not count (host memory, made before it started) are
+/// ignored.
+#[derive(Debug, Default)]
+pub(crate) struct VmmHandles {
+    handles: HashMap<u64, Vmm>,
+    /// Mapping address → (size, handle).
+    mappings: HashMap<u64, (u64, u64)>,
+}
+
+impl VmmHandles {
+    /// `cuMemCreate` made `handle` of `bytes` on `dev` (reserved before the call).
+    pub(crate) fn created(&mut self, handle: u64, bytes: u64, dev: usize) {
+        let e = Vmm {
+            bytes,
+            dev,
+            refs: 1,
+            maps: 0,
+        };
+        self.handles.insert(handle, e);
+    }
+
+    /// `cuMemRetainAllocationHandle` returned `handle`: one more reference.
+    pub(crate) fn retained(&mut self, handle: u64) {
+        if let Some(e) = self.handles.get_mut(&handle) {
+            e.refs = e.refs.saturating_add(1);
+        }
+    }
+
+    /// `cuMemRelease(handle)` succeeded.
+    pub(crate) fn released(&mut self, handle: u64) -> Option<(usize, u64)> {
+        let e = self.handles.get_mut(&handle)?;
+        e.refs = e.refs.saturating_sub(1);
+        self.settle(handle)
+    }
+
+    /// `cuMemMap(ptr, size, …, handle)` succeeded.
+    pub(crate) fn mapped(&mut self, ptr: u64, size: u64, handle: u64) {
+        if let Some(e) = self.handles.get_mut(&handle) {
+            e.maps = e.maps.saturating_add(1);
+            self.mappings.insert(ptr, (size, handle));
+        }
+    }
+
+    /// `cuMemUnmap(ptr, size)` succeeded: every mapping starting in the range is gone.
+    pub(crate) fn unmapped(&mut self, ptr: u64, size: u64) -> Vec<(usize, u64)> {
+        let end = ptr.saturating_add(size);
+        let gone: Vec<u64> = self
+            .mappings
+            .keys()
+            .copied()
+            .filter(|&k| k >= ptr && k < end)
+            .collect();
+        let mut freed = Vec::new();
+        for k in gone {
+            let Some((_, h)) = self.mappings.remove(&k) else {
+                continue;
+            };
+            if let Some(e) = self.handles.get_mut(&h) {
+                e.maps = e.maps.saturating_sub(1);
+            }
+            freed.extend(self.settle(h));
+        }
+        freed
+    }
+
+    fn settle(&mut self, handle: u64) -> Option<(usize, u64)> {
+        let e = *self.handles.get(&handle)?;
+        (e.refs == 0 && e.maps == 0).then(|| {
+            self.handles.remove(&handle);
+            (e.dev, e.bytes)
+        })
     }
 }
 
@@ -507,9 +595,53 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_vmm_handle_is_counted_until_released_and_unmapped_everywhere() {
+        let mut h = VmmHandles::default();
+        h.created(7, 4 * MIB, 1);
+        h.mapped(0x1000_0000, 2 * MIB, 7);
+        h.mapped(0x2000_0000, 2 * MIB, 7);
+        assert_eq!(h.released(7), None, "still mapped twice");
+        assert_eq!(
+            h.unmapped(0x1000_0000, 2 * MIB),
+            vec![],
+            "still mapped once"
+        );
+        assert_eq!(h.unmapped(0x2000_0000, 2 * MIB), vec![(1, 4 * MIB)]);
+        assert_eq!(h.released(7), None, "released once, and only once");
+        assert_eq!(h.unmapped(0x2000_0000, 2 * MIB), vec![]);
+    }
+
+    #[test]
+    fn a_retained_vmm_handle_needs_a_release_per_reference() {
+        let mut h = VmmHandles::default();
+        h.created(7, MIB, 0);
+        h.retained(7);
+        assert_eq!(h.released(7), None);
+        assert_eq!(h.released(7), Some((0, MIB)));
+        // handles the library never counted are ignored
+        h.retained(8);
+        h.mapped(0x3000, MIB, 8);
+        assert_eq!((h.released(8), h.unmapped(0x3000, MIB)), (None, vec![]));
+    }
+
+    #[test]
+    fn one_unmap_over_several_mappings_frees_each_handle_it_ends() {
+        let mut h = VmmHandles::default();
+        h.created(1, MIB, 0);
+        h.created(2, 2 * MIB, 0);
+        h.mapped(0x1000_0000, MIB, 1);
+        h.mapped(0x1010_0000, 2 * MIB, 2);
+        assert_eq!((h.released(1), h.released(2)), (None, None));
+        let mut freed = h.unmapped(0x1000_0000, 3 * MIB);
+        freed.sort();
+        assert_eq!(freed, vec![(0, MIB), (0, 2 * MIB)]);
+    }
+
     mod props {
         use super::*;
         use proptest::prelude::*;
+        use std::collections::BTreeMap;
 
         #[derive(Debug, Clone)]
         enum Op {
@@ -527,6 +659,25 @@ mod tests {
                 (1u64..MIB).prop_map(Op::Managed),
                 (0usize..16).prop_map(Op::Free),
                 (0usize..16).prop_map(Op::RefusedFree),
+            ]
+        }
+
+        #[derive(Debug, Clone)]
+        enum VmmOp {
+            Create(u64),
+            Retain(u64),
+            Release(u64),
+            Map(u64, u64),
+            Unmap(u64),
+        }
+
+        fn vmm_op() -> impl Strategy<Value = VmmOp> {
+            prop_oneof![
+                (0u64..4).prop_map(VmmOp::Create),
+                (0u64..4).prop_map(VmmOp::Retain),
+                (0u64..4).prop_map(VmmOp::Release),
+                (0u64..4, 0u64..6).prop_map(|(h, a)| VmmOp::Map(h, a)),
+                (0u64..6).prop_map(VmmOp::Unmap),
             ]
         }
 
@@ -565,6 +716,65 @@ mod tests {
                     prop_assert_eq!(recs.keys().copied().collect::<Vec<_>>(), d.live.borrow().keys().copied().collect::<Vec<_>>());
                     for (p, r) in recs.iter() {
                         prop_assert!(r.size >= d.live.borrow()[p], "counted at least what the driver holds");
+                    }
+                }
+            }
+
+            /// Against a model of the driver (a handle's memory is freed when its last
+            /// reference is released and its last mapping unmapped), the books release
+            /// every counted handle exactly once, when the driver frees it.
+            #[test]
+            fn vmm_memory_is_released_exactly_when_the_driver_frees_it(ops in proptest::collection::vec(vmm_op(), 1..80)) {
+                let mut h = VmmHandles::default();
+                // the driver's model: handle -> (refs, mapped at), and which handles exist
+                let mut model: BTreeMap<u64, (u32, Vec<u64>)> = BTreeMap::new();
+                let mut at: BTreeMap<u64, u64> = BTreeMap::new(); // address -> handle
+                let mut counted: BTreeMap<u64, u64> = BTreeMap::new(); // handle -> bytes held
+                let mut next = 100u64;
+                let mut ids: BTreeMap<u64, u64> = BTreeMap::new(); // op index -> live handle
+                for op in ops {
+                    let mut freed = Vec::new();
+                    match op {
+                        VmmOp::Create(i) => {
+                            next += 1;
+                            h.created(next, next * 4096, 0);
+                            model.insert(next, (1, Vec::new()));
+                            counted.insert(next, next * 4096);
+                            ids.insert(i, next);
+                        }
+                        VmmOp::Retain(i) => if let Some(&id) = ids.get(&i) {
+                            if let Some(m) = model.get_mut(&id) { if m.0 > 0 { m.0 += 1; h.retained(id) } }
+                        },
+                        VmmOp::Release(i) => if let Some(&id) = ids.get(&i) {
+                            if let Some(m) = model.get_mut(&id) {
+                                if m.0 > 0 { m.0 -= 1; freed.extend(h.released(id)) }
+                            }
+                        },
+                        VmmOp::Map(i, a) => if let Some(&id) = ids.get(&i) {
+                            let addr = 0x1000_0000 * (a + 1);
+                            if model.get(&id).is_some_and(|m| m.0 > 0) && !at.contains_key(&addr) {
+                                h.mapped(addr, 4096, id);
+                                at.insert(addr, id);
+                                model.get_mut(&id).unwrap().1.push(addr);
+                            }
+                        },
+                        VmmOp::Unmap(a) => {
+                            let addr = 0x1000_0000 * (a + 1);
+                            if let Some(id) = at.remove(&addr) {
+                                model.get_mut(&id).unwrap().1.retain(|&x| x != addr);
+                                freed.extend(h.unmapped(addr, 4096));
+                            }
+                        }
+                    }
+                    let gone: Vec<u64> = model.iter().filter(|(_, m)| m.0 == 0 && m.1.is_empty()).map(|(&k, _)| k).collect();
+                    for (_, bytes) in &freed {
+                        let id = bytes / 4096;
+                        prop_assert!(gone.contains(&id), "released handle {id} the driver still holds");
+                        prop_assert!(counted.remove(&id).is_some(), "released handle {id} twice");
+                    }
+                    for id in gone {
+                        model.remove(&id);
+                        prop_assert!(!counted.contains_key(&id), "handle {id} freed by the driver but still counted");
                     }
                 }
             }
