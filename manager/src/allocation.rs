@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use vcuda_contract::config::{ContainerConfig, GpuLimit, CONFIG_VERSION};
 
 use crate::ids::{DeviceId, Kind, MEMORY_UNIT};
-use crate::placement::{check_cores, check_memory, Cores, Node};
+use crate::placement::{check_cores, check_memory, Cores, Node, PlacementError};
 
 /// Paths inside the container.
 pub const CONTAINER_LIBRARY: &str = "/usr/local/vcuda/lib64/libvcuda.so";
@@ -152,19 +152,39 @@ impl Layout {
     }
 }
 
+/// A device ID the kubelet sent is not one of this manager's devices of the resource the
+/// call was for (another plugin's, or another release's ID scheme).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("device {id:?} is not a {expected:?} device of vcuda-manager; the kubelet sent an ID this manager does not list (a device of another release?): delete the pod to allocate again")]
+pub struct DeviceError {
+    pub id: String,
+    /// The resource the call was for.
+    pub expected: Kind,
+}
+
+impl DeviceError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        "foreign-device"
+    }
+}
+
 /// Parse the IDs the kubelet sent for `kind`; unknown IDs are an error naming them.
-pub fn parse_ids(kind: Kind, ids: &[String]) -> Result<Vec<DeviceId>, String> {
+pub fn parse_ids(kind: Kind, ids: &[String]) -> Result<Vec<DeviceId>, DeviceError> {
     ids.iter()
         .map(|s| {
             DeviceId::parse(s)
                 .filter(|d| d.kind == kind)
-                .ok_or_else(|| format!("device {s:?} is not a {kind:?} device of vcuda-manager"))
+                .ok_or_else(|| DeviceError {
+                    id: s.clone(),
+                    expected: kind,
+                })
         })
         .collect()
 }
 
 /// What the `vcuda-core` Allocate decides: the GPUs and the share.
-pub fn plan(cores: &[DeviceId]) -> Result<(Vec<String>, u32), String> {
+pub fn plan(cores: &[DeviceId]) -> Result<(Vec<String>, u32), PlacementError> {
     Ok(match check_cores(cores)? {
         Cores::Share { uuid, percent } => (vec![uuid], percent),
         Cores::Whole { uuids } => (uuids, 100),
@@ -267,6 +287,90 @@ pub struct Holdings {
     pub memory: Vec<String>,
 }
 
+impl Holdings {
+    /// "namespace/pod container name", as messages name a container.
+    pub fn who(&self) -> String {
+        format!(
+            "{}/{} container {}",
+            self.namespace, self.pod, self.container
+        )
+    }
+}
+
+/// Why PreStartContainer refuses a container: what the kubelet allocated would run wrong.
+/// `container` is "namespace/pod container name"; every message says what to do (most
+/// often: delete the pod, so that the kubelet allocates again).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FinishError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error("{container}: vcuda-memory landed on GPU {memory_gpu} but its whole GPUs are {}; delete the pod to retry", gpus.join(", "))]
+    MemoryOffWholeGpus {
+        container: String,
+        memory_gpu: String,
+        gpus: Vec<String>,
+    },
+    #[error("{container}: a share of a GPU (vcuda-core {cores}) needs vcuda-memory too (1 = 256 MiB); add it to the container's requests and limits")]
+    NoMemory { container: String, cores: u32 },
+    #[error("{container}: vcuda-core {cores} landed on {} GPUs ({}); a share spans GPUs only for a pod annotated vcuda.io/gpu-count: \"{}\", which this manager could not read (it runs without the API server, or the API server did not answer: see its log; it needs --kubeconfig or an in-cluster service account). Delete the pod to retry", gpus.len(), cores_on(*percent, gpus), gpus.len())]
+    SplitUnreadable {
+        container: String,
+        cores: u32,
+        percent: u32,
+        gpus: Vec<String>,
+    },
+    #[error("{container}: vcuda-core {cores} was split over {} GPUs ({}) but the pod does not ask for vcuda.io/gpu-count; no GPU on this node had the whole share free. Delete the pod to retry (the scheduler extender prevents this)", gpus.len(), cores_on(*percent, gpus))]
+    SplitUnasked {
+        container: String,
+        cores: u32,
+        percent: u32,
+        gpus: Vec<String>,
+    },
+    #[error("{container}: the pod asks for vcuda.io/gpu-count: \"{asked}\" but its vcuda-core {cores} landed on {} GPU(s) ({}); delete the pod to retry (the scheduler extender places such pods)", gpus.len(), cores_on(*percent, gpus))]
+    CountMismatch {
+        container: String,
+        asked: u32,
+        cores: u32,
+        percent: u32,
+        gpus: Vec<String>,
+    },
+    #[error("{container}: {source}")]
+    Memory {
+        container: String,
+        source: PlacementError,
+    },
+    #[error("{container}: vcuda-core landed on GPU {} and vcuda-memory on GPU {}; a container's share and memory must be on the same GPU(s). Delete the pod to retry (the scheduler extender prevents this on multi-GPU nodes)", cores.join(", "), memory.join(", "))]
+    Apart {
+        container: String,
+        cores: Vec<String>,
+        memory: Vec<String>,
+    },
+}
+
+impl FinishError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FinishError::Device(e) => e.kind(),
+            FinishError::MemoryOffWholeGpus { .. } => "memory-off-whole-gpus",
+            FinishError::NoMemory { .. } => "no-memory",
+            FinishError::SplitUnreadable { .. } => "split-unreadable",
+            FinishError::SplitUnasked { .. } => "split-unasked",
+            FinishError::CountMismatch { .. } => "gpu-count-mismatch",
+            FinishError::Memory { .. } => "memory-placement",
+            FinishError::Apart { .. } => "cores-and-memory-apart",
+        }
+    }
+}
+
+/// "30 % on GPU-a, 30 % on GPU-b".
+fn cores_on(percent: u32, gpus: &[String]) -> String {
+    gpus.iter()
+        .map(|g| format!("{percent} % on {g}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// PreStartContainer's decision for an allocation: the memory quota per GPU, or why the
 /// container must not start. `gpu_count` is the pod's `vcuda.io/gpu-count` (1 when unset),
 /// `None` when the pod cannot be read (no API server access).
@@ -275,71 +379,72 @@ pub fn finish(
     alloc: &Allocation,
     held: &Holdings,
     gpu_count: Option<u32>,
-) -> Result<u64, String> {
-    let who = format!(
-        "{}/{} container {}",
-        held.namespace, held.pod, held.container
-    );
+) -> Result<u64, FinishError> {
+    let who = held.who();
     if alloc.percent >= 100 {
         // Whole GPUs: memory requests, if any, must be on them; the quota is the GPU.
         if !held.memory.is_empty() {
             let mem = parse_ids(Kind::Memory, &held.memory)?;
             if let Some(m) = mem.iter().find(|m| !alloc.gpus.contains(&m.uuid)) {
-                return Err(format!("{who}: vcuda-memory landed on GPU {} but its whole GPUs are {}; delete the pod to retry", m.uuid, alloc.gpus.join(", ")));
+                return Err(FinishError::MemoryOffWholeGpus {
+                    container: who,
+                    memory_gpu: m.uuid.clone(),
+                    gpus: alloc.gpus.clone(),
+                });
             }
         }
         return Ok(0);
     }
-    if held.memory.is_empty() {
-        return Err(format!(
-            "{who}: a share of a GPU (vcuda-core {}) needs vcuda-memory too (1 = 256 MiB); add it to the container's requests and limits",
-            alloc.percent * alloc.gpus.len() as u32
-        ));
-    }
     let n = alloc.gpus.len() as u32;
-    let cores_on = || {
-        alloc
-            .gpus
-            .iter()
-            .map(|g| format!("{} % on {g}", alloc.percent))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let cores = alloc.percent * n;
+    if held.memory.is_empty() {
+        return Err(FinishError::NoMemory {
+            container: who,
+            cores,
+        });
+    }
     match gpu_count {
         Some(k) if k == n => {}
         None if n == 1 => {}
         None => {
-            return Err(format!(
-                "{who}: vcuda-core {} landed on {n} GPUs ({}); a share spans GPUs only for a pod annotated vcuda.io/gpu-count: \"{n}\", which this manager could not read (it runs without the API server, or the API server did not answer: see its log; it needs --kubeconfig or an in-cluster service account). Delete the pod to retry",
-                alloc.percent * n,
-                cores_on()
-            ))
+            return Err(FinishError::SplitUnreadable {
+                container: who,
+                cores,
+                percent: alloc.percent,
+                gpus: alloc.gpus.clone(),
+            })
         }
         Some(1) => {
-            return Err(format!(
-                "{who}: vcuda-core {} was split over {n} GPUs ({}) but the pod does not ask for vcuda.io/gpu-count; no GPU on this node had the whole share free. Delete the pod to retry (the scheduler extender prevents this)",
-                alloc.percent * n,
-                cores_on()
-            ))
+            return Err(FinishError::SplitUnasked {
+                container: who,
+                cores,
+                percent: alloc.percent,
+                gpus: alloc.gpus.clone(),
+            })
         }
         Some(k) => {
-            return Err(format!(
-                "{who}: the pod asks for vcuda.io/gpu-count: \"{k}\" but its vcuda-core {} landed on {n} GPU(s) ({}); delete the pod to retry (the scheduler extender places such pods)",
-                alloc.percent * n,
-                cores_on()
-            ))
+            return Err(FinishError::CountMismatch {
+                container: who,
+                asked: k,
+                cores,
+                percent: alloc.percent,
+                gpus: alloc.gpus.clone(),
+            })
         }
     }
     let mem = parse_ids(Kind::Memory, &held.memory)?;
-    let placed = check_memory(node, &mem).map_err(|e| format!("{who}: {e}"))?;
+    let placed = check_memory(node, &mem).map_err(|source| FinishError::Memory {
+        container: who.clone(),
+        source,
+    })?;
     let mut cores = alloc.gpus.clone();
     cores.sort();
     if placed.gpus != cores {
-        return Err(format!(
-            "{who}: vcuda-core landed on GPU {} and vcuda-memory on GPU {}; a container's share and memory must be on the same GPU(s). Delete the pod to retry (the scheduler extender prevents this on multi-GPU nodes)",
-            cores.join(", "),
-            placed.gpus.join(", ")
-        ));
+        return Err(FinishError::Apart {
+            container: who,
+            cores,
+            memory: placed.gpus,
+        });
     }
     debug_assert_eq!(placed.per_gpu % MEMORY_UNIT, 0);
     Ok(placed.per_gpu)
@@ -486,12 +591,32 @@ mod tests {
             Some(1),
         )
         .unwrap_err();
+        assert!(matches!(e, FinishError::Apart { .. }), "{e:?}");
+        let e = e.to_string();
         assert!(
             e.contains("same GPU") && e.contains("ns/p container c"),
             "{e}"
         );
         let e = finish(&n, &a, &held(ids(U0, Kind::Core, 30), vec![]), None).unwrap_err();
-        assert!(e.contains("needs vcuda-memory"), "{e}");
+        assert_eq!(
+            e,
+            FinishError::NoMemory {
+                container: "ns/p container c".into(),
+                cores: 30
+            }
+        );
+        assert!(e.to_string().contains("needs vcuda-memory"), "{e}");
+        let e = finish(
+            &n,
+            &alloc(100, &[U0]),
+            &held(ids(U0, Kind::Core, 100), ids(U1, Kind::Memory, 1)),
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, FinishError::MemoryOffWholeGpus { memory_gpu, .. } if memory_gpu == U1),
+            "{e:?}"
+        );
         assert_eq!(
             finish(
                 &n,
@@ -522,28 +647,49 @@ mod tests {
         let h = held(both(Kind::Core, 30), both(Kind::Memory, 8));
         assert_eq!(finish(&n, &a, &h, Some(2)), Ok(2 << 30));
         let e = finish(&n, &a, &h, Some(1)).unwrap_err();
+        assert!(
+            matches!(e, FinishError::SplitUnasked { cores: 60, .. }),
+            "{e:?}"
+        );
+        let e = e.to_string();
         assert!(e.contains("does not ask for vcuda.io/gpu-count"), "{e}");
+        assert!(e.contains(&format!("30 % on {U0}, 30 % on {U1}")), "{e}");
         let e = finish(&n, &a, &h, Some(3)).unwrap_err();
+        assert!(
+            matches!(e, FinishError::CountMismatch { asked: 3, .. }),
+            "{e:?}"
+        );
+        let e = e.to_string();
         assert!(e.contains("gpu-count: \"3\"") && e.contains("2 GPU"), "{e}");
         let e = finish(&n, &a, &h, None).unwrap_err();
-        assert!(e.contains("could not read"), "{e}");
+        assert!(matches!(e, FinishError::SplitUnreadable { .. }), "{e:?}");
+        let e = e.to_string();
+        assert!(
+            e.contains("could not read") && e.contains("gpu-count: \"2\""),
+            "{e}"
+        );
         // Memory on one of the two GPUs only.
         let h = held(both(Kind::Core, 30), ids(U0, Kind::Memory, 16));
         let e = finish(&n, &a, &h, Some(2)).unwrap_err();
-        assert!(e.contains("same GPU"), "{e}");
+        assert!(e.to_string().contains("same GPU"), "{e}");
         // Asked for two GPUs, got one.
         let one = alloc(60, &[U0]);
         let h = held(ids(U0, Kind::Core, 60), ids(U0, Kind::Memory, 16));
         let e = finish(&n, &one, &h, Some(2)).unwrap_err();
-        assert!(e.contains("landed on 1 GPU"), "{e}");
+        assert!(e.to_string().contains("landed on 1 GPU"), "{e}");
     }
 
     #[test]
     fn plans_follow_the_core_ids() {
         let c: Vec<DeviceId> = parse_ids(Kind::Core, &ids(U1, Kind::Core, 25)).unwrap();
         assert_eq!(plan(&c), Ok((vec![U1.to_string()], 25)));
-        assert!(
-            parse_ids(Kind::Core, &ids(U1, Kind::Memory, 1)).is_err(),
+        let mem = ids(U1, Kind::Memory, 1);
+        assert_eq!(
+            parse_ids(Kind::Core, &mem),
+            Err(DeviceError {
+                id: mem[0].clone(),
+                expected: Kind::Core
+            }),
             "memory IDs sent to the core plugin"
         );
     }

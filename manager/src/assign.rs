@@ -31,6 +31,50 @@ use crate::gpus::Inventory;
 use crate::ids::{DeviceId, Kind, CORES_PER_GPU, MEMORY_UNIT};
 use crate::placement::{split_gpus, Link, Node};
 
+/// The pod's word from the API server cannot be followed, or the kubelet's devices disagree
+/// with it. Each says which pod (and container) and what to do; PreStartContainer refuses
+/// the container with it, which the user reads on the pod.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AssignError {
+    #[error("pod {pod}: annotation {ASSIGNMENT_ANNOTATION} is not readable ({error}); it is written by vcuda-scheduler at bind: delete the pod to schedule it again")]
+    Unreadable {
+        /// "namespace/name".
+        pod: String,
+        error: String,
+    },
+    #[error("pod {pod}: annotation {ASSIGNMENT_ANNOTATION} has schema {schema} but this vcuda-manager reads {SCHEMA}; upgrade vcuda-manager")]
+    Schema { pod: String, schema: u32 },
+    #[error("pod {pod}: annotation {GPU_COUNT_ANNOTATION}: {value:?} is not a GPU count 1..={MAX_GPU_COUNT}; fix the annotation and create the pod again")]
+    GpuCount { pod: String, value: String },
+    #[error("{pod} container {container}: the scheduler's {ASSIGNMENT_ANNOTATION} has no entry for this container (it names {}); delete the pod to schedule it again", names.join(", "))]
+    NoEntry {
+        pod: String,
+        container: String,
+        /// The containers the assignment names.
+        names: Vec<String>,
+    },
+    #[error("{pod} container {container}: the scheduler assigned {} ({ASSIGNMENT_ANNOTATION}) but the kubelet allocated {}; the node changed after scheduling (another pod took that share), so the scheduler's accounting would be wrong. Delete the pod to schedule it again", show(assigned), show(actual))]
+    Disagrees {
+        pod: String,
+        container: String,
+        assigned: Shape,
+        actual: Shape,
+    },
+}
+
+impl AssignError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            AssignError::Unreadable { .. } => "assignment-unreadable",
+            AssignError::Schema { .. } => "assignment-schema",
+            AssignError::GpuCount { .. } => "gpu-count",
+            AssignError::NoEntry { .. } => "assignment-no-entry",
+            AssignError::Disagrees { .. } => "assignment-disagrees",
+        }
+    }
+}
+
 /// One container's vcuda requests.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerFacts {
@@ -69,9 +113,9 @@ pub struct PodFacts {
     /// Succeeded, Failed, or being deleted.
     pub finished: bool,
     /// The scheduler's assignment; `Err` when the annotation is not readable.
-    pub assignment: Option<Result<Assignment, String>>,
+    pub assignment: Option<Result<Assignment, AssignError>>,
     /// `vcuda.io/gpu-count` (1 when unset); `Err` when invalid.
-    pub gpu_count: Result<u32, String>,
+    pub gpu_count: Result<u32, AssignError>,
     /// Containers asking for vcuda resources, in the kubelet's order (init containers
     /// first).
     pub containers: Vec<ContainerFacts>,
@@ -107,16 +151,22 @@ pub fn facts(pod: &Pod, domain: &str) -> PodFacts {
     let meta = &pod.metadata;
     let ann = meta.annotations.clone().unwrap_or_default();
     let who = format!(
-        "pod {}/{}",
+        "{}/{}",
         meta.namespace.as_deref().unwrap_or_default(),
         meta.name.as_deref().unwrap_or_default()
     );
     let assignment = ann.get(ASSIGNMENT_ANNOTATION).map(|s| {
         serde_json::from_str::<Assignment>(s)
-            .map_err(|e| format!("{who}: annotation {ASSIGNMENT_ANNOTATION} is not readable ({e}); it is written by vcuda-scheduler at bind: delete the pod to schedule it again"))
+            .map_err(|e| AssignError::Unreadable {
+                pod: who.clone(),
+                error: e.to_string(),
+            })
             .and_then(|a| {
                 if a.schema > SCHEMA {
-                    Err(format!("{who}: annotation {ASSIGNMENT_ANNOTATION} has schema {} but this vcuda-manager reads {SCHEMA}; upgrade vcuda-manager", a.schema))
+                    Err(AssignError::Schema {
+                        pod: who.clone(),
+                        schema: a.schema,
+                    })
                 } else {
                     Ok(a)
                 }
@@ -126,9 +176,10 @@ pub fn facts(pod: &Pod, domain: &str) -> PodFacts {
         None => Ok(1),
         Some(v) => match v.trim().parse::<u32>() {
             Ok(n) if (1..=MAX_GPU_COUNT).contains(&n) => Ok(n),
-            _ => Err(format!(
-                "{who}: annotation {GPU_COUNT_ANNOTATION}: {v:?} is not a GPU count 1..={MAX_GPU_COUNT}"
-            )),
+            _ => Err(AssignError::GpuCount {
+                pod: who.clone(),
+                value: v.clone(),
+            }),
         },
     };
     let (core, mem) = (Kind::Core.resource(domain), Kind::Memory.resource(domain));
@@ -376,19 +427,18 @@ pub fn effective(
     container: &str,
     reservations: Option<&Reservations>,
     overrides: &BTreeMap<String, Vec<GpuShare>>,
-) -> Result<Option<Vec<GpuShare>>, String> {
+) -> Result<Option<Vec<GpuShare>>, AssignError> {
     let a = match &pod.assignment {
         None => return Ok(None),
         Some(Err(e)) => return Err(e.clone()),
         Some(Ok(a)) => a,
     };
     let Some(shares) = a.containers.get(container) else {
-        return Err(format!(
-            "{}/{} container {container}: the scheduler's {ASSIGNMENT_ANNOTATION} has no entry for this container (it names {}); delete the pod to schedule it again",
-            pod.namespace,
-            pod.name,
-            a.containers.keys().cloned().collect::<Vec<_>>().join(", ")
-        ));
+        return Err(AssignError::NoEntry {
+            pod: format!("{}/{}", pod.namespace, pod.name),
+            container: container.to_string(),
+            names: a.containers.keys().cloned().collect(),
+        });
     };
     if pod.single() {
         if let Some(o) = overrides.get(&pod.uid) {
@@ -456,18 +506,17 @@ pub fn check_assignment(
     container: &str,
     assigned: &[GpuShare],
     actual: &Shape,
-) -> Result<(), String> {
+) -> Result<(), AssignError> {
     let assigned = shape(assigned);
     if &assigned == actual {
         return Ok(());
     }
-    Err(format!(
-        "{}/{} container {container}: the scheduler assigned {} ({ASSIGNMENT_ANNOTATION}) but the kubelet allocated {}; the node changed after scheduling (another pod took that share), so the scheduler's accounting would be wrong. Delete the pod to schedule it again",
-        pod.namespace,
-        pod.name,
-        show(&assigned),
-        show(actual)
-    ))
+    Err(AssignError::Disagrees {
+        pod: format!("{}/{}", pod.namespace, pod.name),
+        container: container.to_string(),
+        assigned,
+        actual: actual.clone(),
+    })
 }
 
 /// When the kubelet admits identical pods in another order than they were bound, pod `x` may
@@ -793,8 +842,18 @@ mod tests {
         ann.insert("vcuda.io/assignment".into(), "{".into());
         bad.metadata.deletion_timestamp = pod.metadata.creation_timestamp.clone();
         let f = facts(&bad, "tencent.com");
-        assert!(f.gpu_count.unwrap_err().contains("not a GPU count"));
-        assert!(f.assignment.unwrap().unwrap_err().contains("not readable"));
+        let e = f.gpu_count.unwrap_err();
+        assert!(
+            matches!(&e, AssignError::GpuCount { value, .. } if value == "0"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("not a GPU count"), "{e}");
+        let e = f.assignment.unwrap().unwrap_err();
+        assert!(matches!(e, AssignError::Unreadable { .. }), "{e:?}");
+        assert!(
+            e.to_string().contains("not readable") && e.to_string().contains("pod "),
+            "{e}"
+        );
         assert!(f.finished, "being deleted");
     }
 
@@ -925,7 +984,11 @@ mod tests {
         let o = BTreeMap::from([(p.uid.clone(), vec![share(A)])]);
         assert_eq!(effective(&p, "c", Some(&res), &o), Ok(Some(vec![share(A)])));
         let e = effective(&p, "other", None, &none).unwrap_err();
-        assert!(e.contains("no entry for this container"), "{e}");
+        assert!(
+            matches!(&e, AssignError::NoEntry { container, names, .. } if container == "other" && names == &["c"]),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("no entry for this container"), "{e}");
         // Two vcuda containers: the pod's reservation is a sum, not this container's.
         let mut two = pod("p", "t", &[("c", 60, 16), ("d", 10, 4)]);
         two.assignment = p.assignment.clone();
@@ -1010,6 +1073,8 @@ mod tests {
         assign(&mut p, "c", &[(B, 60, 4)]);
         assert_eq!(check(&p, &alloc(&[B], 60, 0), &mem(&[B], 16)), Ok(()));
         let e = check(&p, &alloc(&[A], 60, 0), &mem(&[A], 16)).unwrap_err();
+        assert!(matches!(e, AssignError::Disagrees { .. }), "{e:?}");
+        let e = e.to_string();
         assert!(
             e.contains(A)
                 && e.contains(B)
@@ -1017,10 +1082,14 @@ mod tests {
                 && e.contains("Delete the pod"),
             "{e}"
         );
-        let e = check(&p, &alloc(&[B], 60, 0), &mem(&[B], 8)).unwrap_err();
+        let e = check(&p, &alloc(&[B], 60, 0), &mem(&[B], 8))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("4096 MiB") && e.contains("2048 MiB"), "{e}");
         // Memory on the assigned GPU, cores elsewhere: a disagreement, said as one.
-        let e = check(&p, &alloc(&[A], 60, 0), &mem(&[B], 16)).unwrap_err();
+        let e = check(&p, &alloc(&[A], 60, 0), &mem(&[B], 16))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains(ASSIGNMENT_ANNOTATION) && e.contains(&format!("{A} (60 %, 0 MiB)")),
             "{e}"
@@ -1030,11 +1099,12 @@ mod tests {
         assert_eq!(check(&p, &alloc(&[B, A], 30, 0), &mem(&[A, B], 8)), Ok(()));
         assign(&mut p, "c", &[(A, 100, 40)]);
         assert_eq!(check(&p, &alloc(&[A], 100, 0), &mem(&[A], 4)), Ok(()));
-        p.assignment = Some(Err("unreadable".into()));
-        assert_eq!(
-            check(&p, &alloc(&[A], 100, 0), &[]),
-            Err("unreadable".into())
-        );
+        let unreadable = AssignError::Unreadable {
+            pod: "t/p".into(),
+            error: "EOF".into(),
+        };
+        p.assignment = Some(Err(unreadable.clone()));
+        assert_eq!(check(&p, &alloc(&[A], 100, 0), &[]), Err(unreadable));
     }
 
     /// Two 40 GiB A100s, A and B, on a node without NVLink or NUMA information.

@@ -68,7 +68,7 @@ pub enum BaselineError {
          makes target/portable/libvcuda.so)",
         path.display()
     )]
-    NotElf { path: PathBuf, why: String },
+    NotElf { path: PathBuf, why: ElfError },
     #[error("{}", outside_message(path, *baseline, newer, unexpected))]
     OutsideBaseline {
         path: PathBuf,
@@ -192,6 +192,50 @@ fn number(s: &str) -> Option<u32> {
     }))
 }
 
+/// Why a file is not an ELF shared object this check can read (the part of
+/// [`BaselineError::NotElf`] that says what is wrong with the bytes).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ElfError {
+    #[error("not a 64-bit little-endian ELF file: {0}")]
+    Header(object::read::Error),
+    #[error("{0}")]
+    Endian(object::read::Error),
+    #[error("built for ELF machine {machine}, not x86-64 ({})", elf::EM_X86_64)]
+    Machine { machine: u16 },
+    #[error("ELF type {e_type}, not a shared object ({})", elf::ET_DYN)]
+    NotShared { e_type: u16 },
+    #[error("section headers: {0}")]
+    Sections(object::read::Error),
+    #[error("dynamic section: {0}")]
+    Dynamic(object::read::Error),
+    #[error("it has no dynamic section")]
+    NoDynamic,
+    #[error("dynamic section: DT_NEEDED: {0}")]
+    Needed(object::read::Error),
+    #[error("version-needs section: {0}")]
+    VersionNeeds(object::read::Error),
+    #[error("version-needs section's strings: {0}")]
+    VersionStrings(object::read::Error),
+}
+
+impl ElfError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ElfError::Header(_) => "elf-header",
+            ElfError::Endian(_) => "elf-endian",
+            ElfError::Machine { .. } => "elf-machine",
+            ElfError::NotShared { .. } => "elf-not-shared",
+            ElfError::Sections(_) => "elf-sections",
+            ElfError::Dynamic(_) => "elf-dynamic",
+            ElfError::NoDynamic => "elf-no-dynamic",
+            ElfError::Needed(_) => "elf-needed",
+            ElfError::VersionNeeds(_) => "elf-version-needs",
+            ElfError::VersionStrings(_) => "elf-version-strings",
+        }
+    }
+}
+
 /// What an ELF file asks of the dynamic loader.
 struct Needs {
     /// DT_NEEDED.
@@ -202,52 +246,41 @@ struct Needs {
 
 /// Reads the dynamic section and the GNU version-needs section through the section headers
 /// (as readelf, and tests/portable, do). An error says what is wrong, for the message.
-fn read(bytes: &[u8]) -> Result<Needs, String> {
-    let header = elf::FileHeader64::<LittleEndian>::parse(bytes)
-        .map_err(|e| format!("not a 64-bit little-endian ELF file: {e}"))?;
-    let endian = header.endian().map_err(|e| e.to_string())?;
+fn read(bytes: &[u8]) -> Result<Needs, ElfError> {
+    let header = elf::FileHeader64::<LittleEndian>::parse(bytes).map_err(ElfError::Header)?;
+    let endian = header.endian().map_err(ElfError::Endian)?;
     let machine = header.e_machine(endian);
     if machine != elf::EM_X86_64 {
-        return Err(format!(
-            "built for ELF machine {machine}, not x86-64 ({})",
-            elf::EM_X86_64
-        ));
+        return Err(ElfError::Machine { machine });
     }
-    if header.e_type(endian) != elf::ET_DYN {
-        return Err(format!(
-            "ELF type {}, not a shared object ({})",
-            header.e_type(endian),
-            elf::ET_DYN
-        ));
+    let e_type = header.e_type(endian);
+    if e_type != elf::ET_DYN {
+        return Err(ElfError::NotShared { e_type });
     }
-    let sections = header
-        .sections(endian, bytes)
-        .map_err(|e| format!("section headers: {e}"))?;
+    let sections = header.sections(endian, bytes).map_err(ElfError::Sections)?;
     let dynamic = sections
         .dynamic_table(endian, bytes)
-        .map_err(|e| format!("dynamic section: {e}"))?;
+        .map_err(ElfError::Dynamic)?;
     if dynamic.is_empty() {
-        return Err("it has no dynamic section".into());
+        return Err(ElfError::NoDynamic);
     }
     let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     let mut needed = Vec::new();
     for d in dynamic.iter() {
         if d.tag == elf::DT_NEEDED {
-            let name = dynamic
-                .string(d)
-                .map_err(|e| format!("dynamic section: DT_NEEDED: {e}"))?;
+            let name = dynamic.string(d).map_err(ElfError::Needed)?;
             needed.push(text(name));
         }
     }
     let mut versions = Vec::new();
     let verneed = sections
         .gnu_verneed(endian, bytes)
-        .map_err(|e| format!("version-needs section: {e}"))?;
+        .map_err(ElfError::VersionNeeds)?;
     if let Some((mut files, link)) = verneed {
         let strings = sections
             .strings(endian, bytes, link)
-            .map_err(|e| format!("version-needs section's strings: {e}"))?;
-        let bad = |e: object::read::Error| format!("version-needs section: {e}");
+            .map_err(ElfError::VersionStrings)?;
+        let bad = ElfError::VersionNeeds;
         while let Some((_, mut names)) = files.next().map_err(bad)? {
             while let Some(aux) = names.next().map_err(bad)? {
                 versions.push(text(aux.name(endian, strings).map_err(bad)?));
@@ -641,6 +674,33 @@ mod tests {
                 "{what}: {m}"
             );
         }
+        let why = |bytes: &[u8]| match check(lib(), bytes, DEFAULT) {
+            Err(BaselineError::NotElf { why, .. }) => why,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            why(&fixture_of(
+                elf::ET_EXEC,
+                elf::EM_X86_64,
+                &["libc.so.6"],
+                &[]
+            )),
+            ElfError::NotShared {
+                e_type: elf::ET_EXEC
+            }
+        );
+        assert_eq!(
+            why(&fixture_of(
+                elf::ET_DYN,
+                elf::EM_AARCH64,
+                &["libc.so.6"],
+                &[]
+            )),
+            ElfError::Machine {
+                machine: elf::EM_AARCH64
+            }
+        );
+        assert!(matches!(why(b"#!/bin/sh\n"), ElfError::Header(_)));
         let e = BaselineError::Unreadable {
             path: lib().into(),
             source: std::io::Error::from(std::io::ErrorKind::NotFound),

@@ -19,10 +19,71 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 use vcuda_contract::control::{
-    decode_request, encode_reply, view_frames, FrameDecoder, Hello, Reply, Request,
+    decode_request, encode_reply, view_frames, DecodeError, FrameDecoder, FrameError, Hello, Reply,
+    Request,
 };
+use vcuda_contract::view::View;
 
+use crate::core::ClaimError;
 use crate::plugin::Shared;
+
+/// A connection ended without its exchange: what the log says (the peer gets nothing more,
+/// the stream being unusable). Each names the peer's host pid.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    #[error("pid {pid}: {source}")]
+    Io { pid: u32, source: std::io::Error },
+    #[error("pid {pid}: {source}")]
+    Frame { pid: u32, source: FrameError },
+    #[error("pid {pid}: {source}")]
+    Decode { pid: u32, source: DecodeError },
+}
+
+impl ConnectionError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ConnectionError::Io { .. } => "io",
+            ConnectionError::Frame { source, .. } => source.kind(),
+            ConnectionError::Decode { source, .. } => source.kind(),
+        }
+    }
+}
+
+/// Why a query is not answered with a view. What the peer reads is [`QueryError::reply`].
+#[derive(Debug, thiserror::Error)]
+pub enum QueryError {
+    #[error("vcuda-manager is starting and has no view yet; try again in a second")]
+    Starting,
+    #[error("the node's view is served on the host's query socket ({}), not in containers; here vcuda-smi shows its own container", query_socket.display())]
+    NodeViewInContainer { query_socket: PathBuf },
+    /// The asking process may not see the allocation: the reason is for the log only.
+    #[error("{}", not_yours(allocation))]
+    NotYours {
+        allocation: String,
+        reason: ClaimError,
+    },
+    #[error("allocation {allocation} is not in the manager's view yet (started in the last fraction of a second?); try again")]
+    NotInView { allocation: String },
+}
+
+impl QueryError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            QueryError::Starting => "starting",
+            QueryError::NodeViewInContainer { .. } => "node-view-in-container",
+            QueryError::NotYours { .. } => "not-yours",
+            QueryError::NotInView { .. } => "not-in-view",
+        }
+    }
+
+    /// What the peer reads: the message, which for [`QueryError::NotYours`] hides the
+    /// reason (it goes to the log).
+    pub fn reply(&self) -> Reply {
+        Reply::refused(self.to_string())
+    }
+}
 
 /// Longest a connection may live, from accept to the end of its one exchange: a peer
 /// that sends slowly (a byte every few seconds) is cut off all the same.
@@ -227,37 +288,42 @@ async fn connection(
     pid: u32,
     shared: &Shared,
     scope: Scope,
-) -> Result<(), String> {
+) -> Result<(), ConnectionError> {
+    let io = |source| ConnectionError::Io { pid, source };
     let mut dec = FrameDecoder::default();
     let mut buf = [0u8; 4096];
     let frame = loop {
-        if let Some(f) = dec.next_frame().map_err(|e| format!("pid {pid}: {e}"))? {
+        if let Some(f) = dec
+            .next_frame()
+            .map_err(|source| ConnectionError::Frame { pid, source })?
+        {
             break f;
         }
-        let n = stream
-            .read(&mut buf)
-            .await
-            .map_err(|e| format!("pid {pid}: {e}"))?;
+        let n = stream.read(&mut buf).await.map_err(io)?;
         if n == 0 {
             return Ok(()); // closed
         }
         dec.push(&buf[..n]);
     };
-    let reply = match decode_request(&frame).map_err(|e| format!("pid {pid}: {e}"))? {
+    let request =
+        decode_request(&frame).map_err(|source| ConnectionError::Decode { pid, source })?;
+    let reply = match request {
         Request::Ping => Reply::Pong,
         Request::Query { allocation } => match query(shared, scope, allocation, pid) {
             Ok(view) => {
                 for f in view_frames(&view) {
-                    stream
-                        .write_all(&f)
-                        .await
-                        .map_err(|e| format!("pid {pid}: {e}"))?;
+                    stream.write_all(&f).await.map_err(io)?;
                 }
                 return Ok(());
             }
-            Err(reason) => {
-                debug!(pid, %reason, "query refused");
-                Reply::refused(&reason)
+            Err(e) => {
+                match &e {
+                    QueryError::NotYours { allocation, reason } => {
+                        warn!(pid, %allocation, %reason, "query refused")
+                    }
+                    _ => debug!(pid, reason = %e, "query refused"),
+                }
+                e.reply()
             }
         },
         Request::Hello(_) if scope == Scope::Node => Reply::refused(
@@ -269,15 +335,13 @@ async fn connection(
                 Reply::Welcome { host_pid }
             }
             Err(reason) => {
-                warn!(pid, allocation = %h.allocation, %reason, "registration refused");
+                warn!(pid, allocation = %h.allocation, %reason, kind = reason.kind(), "registration refused");
+                // Whatever the reason, the peer reads the one neutral refusal.
                 Reply::refused(not_yours(&h.allocation))
             }
         },
     };
-    stream
-        .write_all(&encode_reply(&reply))
-        .await
-        .map_err(|e| format!("pid {pid}: {e}"))
+    stream.write_all(&encode_reply(&reply)).await.map_err(io)
 }
 
 /// The one answer a container gets when it may not act for `allocation`, whether the
@@ -291,7 +355,7 @@ fn not_yours(allocation: &str) -> String {
 /// allocation up (a statement of its own: a guard in a `match` scrutinee would live through
 /// the whole match); the checks read /proc and the container's region without it, so a
 /// container cannot stall the kubelet's calls through them.
-fn register(shared: &Shared, hello: &Hello, pid: u32) -> Result<u32, String> {
+fn register(shared: &Shared, hello: &Hello, pid: u32) -> Result<u32, ClaimError> {
     let claimant = shared.core.lock().claimant(&hello.allocation)?;
     let registration = claimant.hello(hello, pid)?;
     shared.core.lock().register(pid, registration);
@@ -304,28 +368,30 @@ fn query(
     scope: Scope,
     allocation: Option<String>,
     pid: u32,
-) -> Result<vcuda_contract::view::View, String> {
+) -> Result<View, QueryError> {
     if shared.view.lock().schema == 0 {
-        return Err("vcuda-manager is starting and has no view yet; try again in a second".into());
+        return Err(QueryError::Starting);
     }
     match (scope, allocation) {
         (Scope::Node, None) => Ok(shared.view.lock().clone()),
-        (Scope::Container, None) => Err(format!(
-            "the node's view is served on the host's query socket ({}), not in containers; \
-             here vcuda-smi shows its own container",
-            shared.core.lock().settings.query_socket_path().display()
-        )),
+        (Scope::Container, None) => Err(QueryError::NodeViewInContainer {
+            query_socket: shared.core.lock().settings.query_socket_path(),
+        }),
         (scope, Some(id)) => {
             if scope == Scope::Container {
                 let claimant = shared.core.lock().claimant(&id);
                 if let Err(reason) = claimant.and_then(|c| c.check_in_pod(pid)) {
-                    warn!(pid, allocation = %id, %reason, "query refused");
-                    return Err(not_yours(&id));
+                    return Err(QueryError::NotYours {
+                        allocation: id,
+                        reason,
+                    });
                 }
             }
-            shared.view.lock().only(&id).ok_or_else(|| {
-                format!("allocation {id} is not in the manager's view yet (started in the last fraction of a second?); try again")
-            })
+            shared
+                .view
+                .lock()
+                .only(&id)
+                .ok_or(QueryError::NotInView { allocation: id })
         }
     }
 }
@@ -371,6 +437,37 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["query.sock", "vcuda.sock"]);
+    }
+
+    /// A container asking about another's allocation reads the one neutral refusal: not
+    /// the pod that holds it, nor whether it exists (the reason goes to the log).
+    #[test]
+    fn a_refused_query_tells_the_peer_nothing_of_the_reason() {
+        let e = QueryError::NotYours {
+            allocation: "a1".into(),
+            reason: ClaimError::NotInPod {
+                host_pid: 7,
+                owner: "default/victim/main".into(),
+                uid: "u".into(),
+                allocation: "a1".into(),
+            },
+        };
+        assert_eq!(e.kind(), "not-yours");
+        let Reply::Refused { reason } = e.reply() else {
+            panic!("not a refusal")
+        };
+        assert_eq!(reason, not_yours("a1"));
+        assert!(!reason.contains("victim"), "{reason}");
+        let Reply::Refused { reason } = (QueryError::NodeViewInContainer {
+            query_socket: "/run/vcuda/query.sock".into(),
+        })
+        .reply() else {
+            panic!("not a refusal")
+        };
+        assert!(
+            reason.contains("host's query socket (/run/vcuda/query.sock)"),
+            "{reason}"
+        );
     }
 
     /// Whatever sits at the socket's path (a symlink to a file the manager can write, say)

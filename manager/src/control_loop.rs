@@ -108,23 +108,52 @@ fn proc_start(proc_root: &std::path::Path, pid: u32) -> Option<u64> {
     identity::start_time(&stat)
 }
 
+/// The watchdog could not kill a process (it keeps running over its limit; the log says
+/// why).
+#[derive(Debug, thiserror::Error)]
+pub enum KillError {
+    #[error("pid {pid} out of range")]
+    PidRange { pid: u32 },
+    #[error("pidfd_open: {source} (Linux 5.3 or newer is needed to kill safely)")]
+    PidfdOpen { source: std::io::Error },
+    #[error("cannot read its cgroup {}: {source}", path.display())]
+    Cgroup {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("pidfd_send_signal: {source}")]
+    Signal { source: std::io::Error },
+}
+
+impl KillError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            KillError::PidRange { .. } => "pid-range",
+            KillError::PidfdOpen { .. } => "pidfd-open",
+            KillError::Cgroup { .. } => "cgroup",
+            KillError::Signal { .. } => "signal",
+        }
+    }
+}
+
 /// SIGKILL host process `pid` if it is (still) in the cgroup of pod `uid`. The check and
 /// the signal go through one pidfd, opened first, so a pid reused in between can never
 /// redirect the kill to another process. Returns whether it signalled.
-fn kill_in_pod(proc_root: &std::path::Path, pid: u32, uid: &str) -> Result<bool, String> {
-    let pid = libc::pid_t::try_from(pid).map_err(|_| format!("pid {pid} out of range"))?;
+fn kill_in_pod(proc_root: &std::path::Path, pid: u32, uid: &str) -> Result<bool, KillError> {
+    let pid = libc::pid_t::try_from(pid).map_err(|_| KillError::PidRange { pid })?;
     // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if fd < 0 {
-        return Err(format!(
-            "pidfd_open: {} (Linux 5.3 or newer is needed to kill safely)",
-            std::io::Error::last_os_error()
-        ));
+        return Err(KillError::PidfdOpen {
+            source: std::io::Error::last_os_error(),
+        });
     }
     // SAFETY: a descriptor pidfd_open just returned, owned from here on.
     let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
-    let cgroup = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup"))
-        .map_err(|e| format!("cannot read its cgroup: {e}"))?;
+    let path = proc_root.join(pid.to_string()).join("cgroup");
+    let cgroup =
+        std::fs::read_to_string(&path).map_err(|source| KillError::Cgroup { path, source })?;
     if !identity::in_pod(&cgroup, uid) {
         return Ok(false);
     }
@@ -140,10 +169,9 @@ fn kill_in_pod(proc_root: &std::path::Path, pid: u32, uid: &str) -> Result<bool,
         )
     };
     if rc != 0 {
-        return Err(format!(
-            "pidfd_send_signal: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(KillError::Signal {
+            source: std::io::Error::last_os_error(),
+        });
     }
     Ok(true)
 }
@@ -642,6 +670,43 @@ async fn collect(shared: &Shared, settings: &crate::settings::Settings) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The watchdog kills only a process the kernel still puts in the pod's cgroup, and says
+    /// why not otherwise.
+    #[test]
+    fn the_watchdog_kills_only_inside_the_pod_and_says_why_not() {
+        let d = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let e = kill_in_pod(d.path(), pid, "uid-1").unwrap_err();
+        assert!(
+            matches!(&e, KillError::Cgroup { path, .. } if path.ends_with(format!("{pid}/cgroup"))),
+            "{e:?}"
+        );
+        assert_eq!(e.kind(), "cgroup");
+        let dir = d.path().join(pid.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("cgroup"), "0::/kubepods/poduid-2/x\n").unwrap();
+        assert!(
+            !kill_in_pod(d.path(), pid, "uid-1").unwrap(),
+            "another pod's"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "still running");
+        std::fs::write(dir.join("cgroup"), "0::/kubepods/poduid-1/x\n").unwrap();
+        assert!(kill_in_pod(d.path(), pid, "uid-1").unwrap());
+        let status = child.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL)
+        );
+        assert!(matches!(
+            kill_in_pod(d.path(), u32::MAX, "uid-1"),
+            Err(KillError::PidRange { .. })
+        ));
+    }
 
     #[test]
     fn processes_are_attributed_by_registration_then_cgroup() {

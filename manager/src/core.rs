@@ -3,8 +3,6 @@
 //! services and the control socket call into it under one lock, briefly.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -12,19 +10,153 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use vcuda_cluster::GpuShare;
 use vcuda_contract::config::parse_uuid;
 use vcuda_contract::control::Hello;
-use vcuda_contract::region_file::RegionFile;
+use vcuda_contract::region_file::{RegionFault, RegionFile};
 
 use crate::allocation::{
-    answer, container_config, finish, parse_ids, plan, Allocation, Answer, Holdings, Layout, Owner,
-    CONTAINER_LIBRARY,
+    answer, container_config, finish, parse_ids, plan, Allocation, Answer, DeviceError,
+    FinishError, Holdings, Layout, Owner, CONTAINER_LIBRARY,
 };
-use crate::assign::{actual_shape, check_assignment, PodFacts, Shape};
+use crate::assign::{actual_shape, check_assignment, AssignError, PodFacts, Shape};
+use crate::files::{create_dir, remove_dir, write_atomic, FileError};
 use crate::gpus::Inventory;
 use crate::identity;
 use crate::ids::{DeviceId, Kind};
-use crate::journal::Journal;
-use crate::placement::{check_memory, preferred, preferred_on, Pairing};
+use crate::journal::{Journal, JournalError};
+use crate::placement::{check_memory, preferred, preferred_on, Pairing, PlacementError};
 use crate::settings::Settings;
+
+/// Why an Allocate or PreStartContainer is refused, or the state cannot be opened or
+/// changed. The request's own faults (devices, placement, the pod's annotations) are told
+/// apart from the node's (its files, its random source), for the gRPC status
+/// ([`CoreError::is_node_fault`]); each message names the container or path and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    #[error(transparent)]
+    Finish(#[from] FinishError),
+    #[error(transparent)]
+    Assignment(#[from] AssignError),
+    #[error("the kubelet's PodResources API lists no container holding {resource} {device}; is --pod-resources-socket ({}) the kubelet's?", socket.display())]
+    NotListed {
+        resource: String,
+        /// The first device ID of the call.
+        device: String,
+        socket: PathBuf,
+    },
+    #[error("{container}: vcuda-memory without vcuda-core; request {core_resource} too (1 to 99 for a share of one GPU, 100·n for whole GPUs)")]
+    MemoryWithoutCore {
+        /// "namespace/pod container name".
+        container: String,
+        core_resource: String,
+    },
+    #[error("{container}: its vcuda-core devices were not allocated by this manager (was its state directory {} lost?); delete the pod to allocate again", state_dir.display())]
+    UnknownCores {
+        container: String,
+        state_dir: PathBuf,
+    },
+    #[error(transparent)]
+    Files(#[from] FileError),
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error(transparent)]
+    Region(#[from] RegionFault),
+    #[error("cannot draw an allocation id from the kernel's random source: {0}; is /dev/urandom (getrandom(2)) available to the manager?")]
+    RandomId(getrandom::Error),
+}
+
+impl CoreError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CoreError::Device(e) => e.kind(),
+            CoreError::Placement(e) => e.kind(),
+            CoreError::Finish(e) => e.kind(),
+            CoreError::Assignment(e) => e.kind(),
+            CoreError::NotListed { .. } => "not-listed",
+            CoreError::MemoryWithoutCore { .. } => "memory-without-core",
+            CoreError::UnknownCores { .. } => "unknown-cores",
+            CoreError::Files(e) => e.kind(),
+            CoreError::Journal(e) => e.kind(),
+            CoreError::Region(_) => "region",
+            CoreError::RandomId(_) => "random-id",
+        }
+    }
+
+    /// Whether the node is at fault (its files, checkpoint, region, random source), not the
+    /// request: a retry of the same request may succeed once the host is fixed.
+    pub fn is_node_fault(&self) -> bool {
+        match self {
+            CoreError::Device(_)
+            | CoreError::Placement(_)
+            | CoreError::Finish(_)
+            | CoreError::Assignment(_)
+            | CoreError::NotListed { .. }
+            | CoreError::MemoryWithoutCore { .. }
+            | CoreError::UnknownCores { .. } => false,
+            CoreError::Files(_)
+            | CoreError::Journal(_)
+            | CoreError::Region(_)
+            | CoreError::RandomId(_) => true,
+        }
+    }
+}
+
+/// Why a process may not act for an allocation (register, or ask about its container). On a
+/// container's socket the peer reads only a neutral refusal (`control::not_yours`); these
+/// messages go to the manager's log.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error("no allocation {allocation:?} on this node")]
+    UnknownAllocation { allocation: String },
+    #[error("allocation {allocation} has not been started by the kubelet")]
+    NotStarted { allocation: String },
+    #[error("allocation {allocation} ({owner}): the kubelet's checkpoint names no pod UID for it, so the process's cgroup cannot be checked; is --kubelet-checkpoint the kubelet's kubelet_internal_checkpoint?")]
+    NoPodUid { allocation: String, owner: String },
+    #[error("cannot read {}: {source} (has the process exited? is --proc-root the host's /proc?)", path.display())]
+    Proc {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("process {host_pid} is not in the cgroup of pod {owner} (uid {uid}), which holds allocation {allocation}")]
+    NotInPod {
+        host_pid: u32,
+        owner: String,
+        uid: String,
+        allocation: String,
+    },
+    #[error("process {host_pid} claims pid {pid} in its namespace, which it is not")]
+    WrongPid { host_pid: u32, pid: u32 },
+    #[error("process {host_pid} did not start at the time its slot says")]
+    WrongStart { host_pid: u32 },
+    #[error("slot {slot} of allocation {allocation} is not held by pid {pid}")]
+    SlotNotHeld {
+        slot: u32,
+        allocation: String,
+        pid: u32,
+    },
+    #[error(transparent)]
+    Region(#[from] RegionFault),
+}
+
+impl ClaimError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ClaimError::UnknownAllocation { .. } => "unknown-allocation",
+            ClaimError::NotStarted { .. } => "not-started",
+            ClaimError::NoPodUid { .. } => "no-pod-uid",
+            ClaimError::Proc { .. } => "proc",
+            ClaimError::NotInPod { .. } => "not-in-pod",
+            ClaimError::WrongPid { .. } => "wrong-pid",
+            ClaimError::WrongStart { .. } => "wrong-start",
+            ClaimError::SlotNotHeld { .. } => "slot-not-held",
+            ClaimError::Region(_) => "region",
+        }
+    }
+}
 
 /// The manager's state.
 pub struct Core {
@@ -51,7 +183,7 @@ pub struct Core {
 impl Core {
     /// Load the checkpoint (if any) and prepare the state and run directories: the preload
     /// file every container mounts, and the allocation directories.
-    pub fn open(settings: Settings, inventory: Inventory) -> Result<Core, String> {
+    pub fn open(settings: Settings, inventory: Inventory) -> Result<Core, CoreError> {
         let layout = Layout {
             state_dir: settings.state_dir.clone(),
             run_dir: settings.run_dir.clone(),
@@ -62,22 +194,20 @@ impl Core {
                 .unwrap_or_default(),
             library: settings.library.clone(),
         };
-        let mk = |p: &Path| {
-            std::fs::create_dir_all(p).map_err(|e| format!("cannot create {}: {e}", p.display()))
-        };
-        mk(&layout.state_dir)?;
-        mk(&layout.allocations_dir())?;
-        mk(&layout.socket_dir)?;
+        create_dir(&layout.state_dir)?;
+        create_dir(&layout.allocations_dir())?;
+        create_dir(&layout.socket_dir)?;
         write_atomic(
             &layout.preload_file(),
             format!("{CONTAINER_LIBRARY}\n").as_bytes(),
             0o644,
         )?;
         let (journal, replay) = Journal::open(&layout.journal())?;
-        if replay.skipped > 0 {
+        if let Some(first) = &replay.first_skipped {
             tracing::warn!(
                 checkpoint = %layout.journal().display(),
                 skipped = replay.skipped,
+                first = %first,
                 "checkpoint lines that could not be read were dropped; their containers keep running, and PreStartContainer for them fails with a reason"
             );
         }
@@ -121,7 +251,7 @@ impl Core {
     }
 
     /// Record one allocation's current state in the checkpoint.
-    fn save(&mut self, id: &str) -> Result<(), String> {
+    fn save(&mut self, id: &str) -> Result<(), JournalError> {
         self.changed.notify_one();
         match self.allocs.get(id) {
             Some(a) => self.journal.put(a),
@@ -131,15 +261,14 @@ impl Core {
 
     /// Rewrite the checkpoint compact when it has grown (the control loop calls this, off
     /// the RPC path).
-    pub fn compact_checkpoint(&mut self) -> Result<bool, String> {
+    pub fn compact_checkpoint(&mut self) -> Result<bool, JournalError> {
         self.journal.compact_if_needed(&self.allocs)
     }
 
     /// Make an allocation's directories (again, after a reboot emptied the run directory).
-    fn make_dirs(&self, id: &str) -> Result<(), String> {
+    fn make_dirs(&self, id: &str) -> Result<(), FileError> {
         for d in [self.layout.config_dir(id), self.layout.region_dir(id)] {
-            std::fs::create_dir_all(&d)
-                .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+            create_dir(&d)?;
         }
         Ok(())
     }
@@ -218,7 +347,7 @@ impl Core {
 
     /// Allocate for one container. `vcuda-core` makes (or, for the same IDs, finds) the
     /// allocation and answers its mounts; `vcuda-memory` validates and answers nothing.
-    pub fn allocate(&mut self, kind: Kind, ids: &[String]) -> Result<Answer, String> {
+    pub fn allocate(&mut self, kind: Kind, ids: &[String]) -> Result<Answer, CoreError> {
         let parsed = parse_ids(kind, ids)?;
         let now = self.now();
         if kind == Kind::Memory {
@@ -251,7 +380,7 @@ impl Core {
             // Refused: nothing of it may stay behind (the kubelet retries with a new call).
             self.allocs.remove(&id);
             let _ = std::fs::remove_dir_all(self.layout.dir(&id));
-            return Err(e);
+            return Err(e.into());
         }
         Ok(a)
     }
@@ -323,7 +452,7 @@ impl Core {
         ids: &[String],
         held: Option<Holdings>,
         pod_uid: Option<String>,
-    ) -> Result<String, String> {
+    ) -> Result<String, CoreError> {
         self.pre_start_with(kind, ids, held, pod_uid, None, None)
     }
 
@@ -340,26 +469,28 @@ impl Core {
         held: Option<Holdings>,
         pod_uid: Option<String>,
         pod: Option<&PodFacts>,
-        assigned: Option<Result<Vec<GpuShare>, String>>,
-    ) -> Result<String, String> {
+        assigned: Option<Result<Vec<GpuShare>, AssignError>>,
+    ) -> Result<String, CoreError> {
         let Some(held) = held else {
-            return Err(format!(
-                "the kubelet's PodResources API lists no container holding {} {}; is --pod-resources-socket ({}) the kubelet's?",
-                kind.resource(&self.settings.domain),
-                ids.first().map_or("", String::as_str),
-                self.settings.pod_resources_socket.display()
-            ));
+            return Err(CoreError::NotListed {
+                resource: kind.resource(&self.settings.domain),
+                device: ids.first().cloned().unwrap_or_default(),
+                socket: self.settings.pod_resources_socket.clone(),
+            });
         };
         if held.cores.is_empty() {
-            return Err(format!(
-                "{}/{} container {}: vcuda-memory without vcuda-core; request {} too (1 to 99 for a share of one GPU, 100·n for whole GPUs)",
-                held.namespace, held.pod, held.container, Kind::Core.resource(&self.settings.domain)
-            ));
+            return Err(CoreError::MemoryWithoutCore {
+                container: held.who(),
+                core_resource: Kind::Core.resource(&self.settings.domain),
+            });
         }
         let id = self
             .by_cores(&held.cores)
             .map(|a| a.id.clone())
-            .ok_or_else(|| format!("{}/{} container {}: its vcuda-core devices were not allocated by this manager (was its state directory {} lost?); delete the pod to allocate again", held.namespace, held.pod, held.container, self.settings.state_dir.display()))?;
+            .ok_or_else(|| CoreError::UnknownCores {
+                container: held.who(),
+                state_dir: self.settings.state_dir.clone(),
+            })?;
         let alloc = &self.allocs[&id];
         let same = alloc.owned_by(&held);
         if let (Some(p), Some(assigned), false) = (pod, assigned, same) {
@@ -374,7 +505,7 @@ impl Core {
         let gpu_count = match pod.map(|p| &p.gpu_count) {
             None => None,
             Some(Ok(n)) => Some(*n),
-            Some(Err(e)) => return Err(e.clone()),
+            Some(Err(e)) => return Err(e.clone().into()),
         };
         let quota = finish(&self.inventory.node, alloc, &held, gpu_count)?;
         let pod_uid = pod_uid.or_else(|| pod.map(|p| p.uid.clone()).filter(|u| !u.is_empty()));
@@ -401,8 +532,7 @@ impl Core {
             self.make_dirs(&id)?; // the run directory was emptied (a reboot)
         }
         // Before the container exists: the one time the region is opened by its path.
-        let region = RegionFile::create_or_open(&self.layout.region_file(&id), &uuids)
-            .map_err(|e| e.to_string())?;
+        let region = RegionFile::create_or_open(&self.layout.region_file(&id), &uuids)?;
         self.regions.insert(id.clone(), Arc::new(region));
         write_atomic(
             &self.layout.config_file(&id),
@@ -446,26 +576,30 @@ impl Core {
             if let Some(o) = self.allocs.get_mut(&id).and_then(|a| a.owner.as_mut()) {
                 o.uid = Some(uid);
             }
-            let _ = self.save(&id);
+            if let Err(e) = self.save(&id) {
+                // Kept in memory all the same; learnt again from the kubelet's checkpoint
+                // after a restart.
+                tracing::warn!(allocation = %id, error = %e, "cannot record the pod UID in the checkpoint");
+            }
         }
     }
 
     /// What checking a process against `allocation` needs, taken under the state lock;
     /// the checks themselves ([`Claimant`]) read `/proc` and the region without it.
-    pub fn claimant(&mut self, allocation: &str) -> Result<Claimant, String> {
+    pub fn claimant(&mut self, allocation: &str) -> Result<Claimant, ClaimError> {
         self.learn_pod_uid(allocation);
         let alloc = self
             .allocs
             .get(allocation)
-            .ok_or_else(|| format!("no allocation {allocation:?} on this node"))?;
-        let owner = alloc.owner.as_ref().ok_or_else(|| {
-            format!(
-                "allocation {} has not been started by the kubelet",
-                alloc.id
-            )
+            .ok_or_else(|| ClaimError::UnknownAllocation {
+                allocation: allocation.to_string(),
+            })?;
+        let owner = alloc.owner.as_ref().ok_or_else(|| ClaimError::NotStarted {
+            allocation: alloc.id.clone(),
         })?;
-        let uid = owner.uid.clone().ok_or_else(|| {
-            format!("allocation {} ({}): the kubelet's checkpoint names no pod UID for it, so the process's cgroup cannot be checked", alloc.id, owner.key())
+        let uid = owner.uid.clone().ok_or_else(|| ClaimError::NoPodUid {
+            allocation: alloc.id.clone(),
+            owner: owner.key(),
         })?;
         Ok(Claimant {
             allocation: alloc.id.clone(),
@@ -480,7 +614,7 @@ impl Core {
 
     /// Whether host process `host_pid` belongs to the pod holding `allocation` (see
     /// [`Claimant::check_in_pod`]; for callers that hold the lock anyway).
-    pub fn check_in_pod(&mut self, allocation: &str, host_pid: u32) -> Result<(), String> {
+    pub fn check_in_pod(&mut self, allocation: &str, host_pid: u32) -> Result<(), ClaimError> {
         self.claimant(allocation)?.check_in_pod(host_pid)
     }
 
@@ -529,21 +663,13 @@ impl Core {
     }
 
     /// Forget an allocation whose container is gone, and its files.
-    pub fn remove(&mut self, id: &str) -> Result<(), String> {
+    pub fn remove(&mut self, id: &str) -> Result<(), CoreError> {
         self.regions.remove(id);
         self.registrations.retain(|_, r| r.allocation != id);
         if self.allocs.remove(id).is_some() {
             self.changed.notify_one();
             self.journal.remove(id)?;
-            match std::fs::remove_dir_all(self.layout.dir(id)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(format!(
-                        "cannot remove {}: {e}",
-                        self.layout.dir(id).display()
-                    ))
-                }
-                _ => {}
-            }
+            remove_dir(&self.layout.dir(id))?;
         }
         Ok(())
     }
@@ -583,34 +709,29 @@ pub struct Claimant {
 impl Claimant {
     /// Whether host process `host_pid` belongs to the pod holding the allocation (its
     /// cgroup names the pod's UID): what lets it register, or ask about its container.
-    pub fn check_in_pod(&self, host_pid: u32) -> Result<(), String> {
-        let path = self.proc_root.join(host_pid.to_string()).join("cgroup");
-        let cgroup = std::fs::read_to_string(&path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    pub fn check_in_pod(&self, host_pid: u32) -> Result<(), ClaimError> {
+        let cgroup = read_proc(&self.proc_root.join(host_pid.to_string()).join("cgroup"))?;
         if !identity::in_pod(&cgroup, &self.uid) {
-            return Err(format!("process {host_pid} is not in the cgroup of pod {} (uid {}), which holds allocation {}", self.owner, self.uid, self.allocation));
+            return Err(ClaimError::NotInPod {
+                host_pid,
+                owner: self.owner.clone(),
+                uid: self.uid.clone(),
+                allocation: self.allocation.clone(),
+            });
         }
         Ok(())
     }
 
     /// Whether the kernel confirms that host process `host_pid` is the process a slot says:
     /// in the pod's cgroup, `pid` in its own namespace, started at `start_time`.
-    pub fn verify(&self, host_pid: u32, pid: u32, start_time: u64) -> Result<(), String> {
+    pub fn verify(&self, host_pid: u32, pid: u32, start_time: u64) -> Result<(), ClaimError> {
         self.check_in_pod(host_pid)?;
         let proc_dir = self.proc_root.join(host_pid.to_string());
-        let read = |f: &str| {
-            std::fs::read_to_string(proc_dir.join(f))
-                .map_err(|e| format!("cannot read {}/{f}: {e}", proc_dir.display()))
-        };
-        if identity::innermost_pid(&read("status")?) != Some(pid) {
-            return Err(format!(
-                "process {host_pid} claims pid {pid} in its namespace, which it is not"
-            ));
+        if identity::innermost_pid(&read_proc(&proc_dir.join("status"))?) != Some(pid) {
+            return Err(ClaimError::WrongPid { host_pid, pid });
         }
-        if identity::start_time(&read("stat")?) != Some(start_time) {
-            return Err(format!(
-                "process {host_pid} did not start at the time its slot says"
-            ));
+        if identity::start_time(&read_proc(&proc_dir.join("stat"))?) != Some(start_time) {
+            return Err(ClaimError::WrongStart { host_pid });
         }
         Ok(())
     }
@@ -621,18 +742,17 @@ impl Claimant {
     /// manager then knows of it, or why not. Reads only `/proc` and the region through the
     /// descriptor the manager holds (or, right after a restart, one opened without
     /// following links); never waits.
-    pub fn hello(&self, hello: &Hello, host_pid: u32) -> Result<Registration, String> {
+    pub fn hello(&self, hello: &Hello, host_pid: u32) -> Result<Registration, ClaimError> {
         self.check_in_pod(host_pid)?;
         let opened;
         let region = match &self.region {
             Some(r) => r.as_ref(),
             None => {
-                opened =
-                    RegionFile::open(&self.region_path, &self.uuids).map_err(|e| e.to_string())?;
+                opened = RegionFile::open(&self.region_path, &self.uuids)?;
                 &opened
             }
         };
-        let snapshot = region.read().map_err(|e| e.to_string())?;
+        let snapshot = region.read()?;
         let held = snapshot.active().any(|s| {
             s.index == hello.slot
                 && s.pid == hello.pid
@@ -640,15 +760,14 @@ impl Claimant {
                 && s.start_time == hello.start_time
         });
         if !held {
-            return Err(format!(
-                "slot {} of allocation {} is not held by pid {}",
-                hello.slot, self.allocation, hello.pid
-            ));
+            return Err(ClaimError::SlotNotHeld {
+                slot: hello.slot,
+                allocation: self.allocation.clone(),
+                pid: hello.pid,
+            });
         }
         self.verify(host_pid, hello.pid, hello.start_time)?;
-        region
-            .set_host_pid(hello.slot, host_pid)
-            .map_err(|e| e.to_string())?;
+        region.set_host_pid(hello.slot, host_pid)?;
         Ok(Registration {
             allocation: self.allocation.clone(),
             pid: hello.pid,
@@ -659,11 +778,9 @@ impl Claimant {
 
 /// A fresh allocation id: 128 random bits, so that a container cannot guess another's (it
 /// sees its own in its config and environment) and ids are never reused.
-fn new_id() -> Result<String, String> {
+fn new_id() -> Result<String, CoreError> {
     let mut b = [0u8; 16];
-    getrandom::fill(&mut b).map_err(|e| {
-        format!("cannot draw an allocation id from the kernel's random source: {e}")
-    })?;
+    getrandom::fill(&mut b).map_err(CoreError::RandomId)?;
     Ok(format!(
         "a{}",
         b.iter().map(|x| format!("{x:02x}")).collect::<String>()
@@ -688,24 +805,11 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Write a file so that readers see the old or the new content, never a mix, and a crash of
-/// the writer leaves one of the two: a temporary file in the same directory, renamed. Not
-/// synced to disk (see [`Core::save`]).
-pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = dir.join(format!(
-        ".{}.tmp",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("file")
-    ));
-    let res = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.set_permissions(std::fs::Permissions::from_mode(mode))?;
-        std::fs::rename(&tmp, path)
-    })();
-    res.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        format!("cannot write {}: {e}", path.display())
+/// A file of `/proc` (the kernel's word on a process).
+fn read_proc(path: &Path) -> Result<String, ClaimError> {
+    std::fs::read_to_string(path).map_err(|source| ClaimError::Proc {
+        path: path.to_path_buf(),
+        source,
     })
 }
 
@@ -853,40 +957,18 @@ pub(crate) mod tests {
         assert!(core(d.path()).allocation(&id).is_none());
     }
 
-    /// Run `f` in a forked child whose files may not grow past `limit` bytes (a full
-    /// disk, as the kernel reports it: a short write, then EFBIG); returns its exit code.
-    pub(crate) fn with_file_limit(limit: u64, f: impl FnOnce() -> bool) -> i32 {
-        // SAFETY: the child only sets a limit, runs `f` (file I/O) and _exits.
-        let child = unsafe { libc::fork() };
-        if child == 0 {
-            let lim = libc::rlimit {
-                rlim_cur: limit,
-                rlim_max: libc::RLIM_INFINITY,
-            };
-            // SAFETY: plain system calls in the child; SIGXFSZ would kill it otherwise.
-            unsafe {
-                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-                libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
-            }
-            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(false);
-            // SAFETY: end the child without running the parent's destructors.
-            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-        }
-        let mut status = 0;
-        // SAFETY: waiting for our own child.
-        unsafe { libc::waitpid(child, &mut status, 0) };
-        libc::WEXITSTATUS(status)
-    }
-
     #[test]
     fn an_allocate_whose_record_fails_leaves_nothing_behind() {
         let d = tempfile::tempdir().unwrap();
         let cores = ids(U0, Kind::Core, 0, 20);
         // 100 bytes: enough for the files a manager writes at start (an empty checkpoint,
         // the preload file), not for the ~300-byte record of an allocation.
-        let code = with_file_limit(100, || {
+        let code = crate::files::tests::with_file_limit(100, || {
             let mut c = core(d.path());
-            let refused = c.allocate(Kind::Core, &cores).is_err();
+            let refused = matches!(
+                c.allocate(Kind::Core, &cores),
+                Err(CoreError::Journal(JournalError::Append { .. }))
+            );
             let dirs = std::fs::read_dir(c.layout.allocations_dir())
                 .unwrap()
                 .count();
@@ -1006,22 +1088,151 @@ pub(crate) mod tests {
         let mut c = core(d.path());
         let mut cores = ids(U0, Kind::Core, 0, 100);
         cores.extend(ids(U1, Kind::Core, 0, 50));
-        assert!(c.allocate(Kind::Core, &cores).unwrap_err().contains("150"));
+        let e = c.allocate(Kind::Core, &cores).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                CoreError::Placement(PlacementError::CoresNotShareOrWhole { total: 150 })
+            ),
+            "{e:?}"
+        );
+        assert!(!e.is_node_fault() && e.to_string().contains("150"), "{e}");
         let mut mem = ids(U0, Kind::Memory, 0, 160);
         mem.extend(ids(U1, Kind::Memory, 0, 1));
-        assert!(c
-            .allocate(Kind::Memory, &mem)
-            .unwrap_err()
-            .contains("does not fit on one GPU"));
+        let e = c.allocate(Kind::Memory, &mem).unwrap_err();
+        assert!(e.to_string().contains("does not fit on one GPU"), "{e}");
+        let e = c.allocate(Kind::Memory, &cores[..1]).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                CoreError::Device(DeviceError {
+                    expected: Kind::Memory,
+                    ..
+                })
+            ),
+            "core IDs sent to the memory plugin: {e:?}"
+        );
         let m = ids(U0, Kind::Memory, 0, 4);
         let e = c
             .pre_start(Kind::Memory, &m, held("p", vec![], m.clone()), None)
             .unwrap_err();
-        assert!(e.contains("without vcuda-core"), "{e}");
-        assert!(c
-            .pre_start(Kind::Memory, &m, None, None)
-            .unwrap_err()
-            .contains("PodResources"));
+        assert!(
+            matches!(&e, CoreError::MemoryWithoutCore { container, .. } if container == "ns/p container c"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("without vcuda-core"), "{e}");
+        let e = c.pre_start(Kind::Memory, &m, None, None).unwrap_err();
+        assert!(matches!(e, CoreError::NotListed { .. }), "{e:?}");
+        assert!(e.to_string().contains("PodResources"), "{e}");
+        // Cores no allocation of this manager holds (its state directory was lost).
+        let stray = ids(U1, Kind::Core, 90, 10);
+        let e = c
+            .pre_start(Kind::Core, &stray, held("q", stray.clone(), vec![]), None)
+            .unwrap_err();
+        assert!(
+            matches!(&e, CoreError::UnknownCores { container, .. } if container == "ns/q container c"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("delete the pod"), "{e}");
+    }
+
+    #[test]
+    fn claims_on_what_is_not_the_processs_are_refused_with_the_reason() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = core(d.path());
+        let proc_root = d.path().join("proc");
+        c.settings.proc_root = proc_root.clone();
+        c.settings.kubelet_checkpoint = d.path().join("no-checkpoint");
+        let e = c.claimant("a0").err().expect("refused");
+        assert!(
+            matches!(&e, ClaimError::UnknownAllocation { allocation } if allocation == "a0"),
+            "{e:?}"
+        );
+        let cores = ids(U0, Kind::Core, 0, 20);
+        c.allocate(Kind::Core, &cores).unwrap();
+        let id = c.allocations().next().unwrap().id.clone();
+        let e = c.claimant(&id).err().expect("refused");
+        assert!(matches!(e, ClaimError::NotStarted { .. }), "{e:?}");
+        let mem = ids(U0, Kind::Memory, 0, 4);
+        c.pre_start(
+            Kind::Core,
+            &cores,
+            held("p", cores.clone(), mem.clone()),
+            None,
+        )
+        .unwrap();
+        let e = c.claimant(&id).err().expect("refused");
+        assert!(
+            matches!(&e, ClaimError::NoPodUid { owner, .. } if owner == "ns/p/c"),
+            "no pod UID anywhere: {e:?}"
+        );
+        // With the pod's UID: a process in another pod's cgroup, and one that is gone.
+        let other = ids(U1, Kind::Core, 0, 20);
+        c.allocate(Kind::Core, &other).unwrap();
+        let id = c
+            .pre_start(
+                Kind::Core,
+                &other,
+                held("victim", other.clone(), ids(U1, Kind::Memory, 0, 4)),
+                Some("uid-victim".into()),
+            )
+            .unwrap();
+        std::fs::create_dir_all(proc_root.join("42")).unwrap();
+        std::fs::write(
+            proc_root.join("42").join("cgroup"),
+            "0::/kubepods/burstable/poduid-attacker/ctr\n",
+        )
+        .unwrap();
+        let e = c.check_in_pod(&id, 42).unwrap_err();
+        assert!(
+            matches!(&e, ClaimError::NotInPod { host_pid: 42, uid, .. } if uid == "uid-victim"),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .contains("is not in the cgroup of pod ns/victim/c"),
+            "{e}"
+        );
+        let e = c.check_in_pod(&id, 43).unwrap_err();
+        assert!(
+            matches!(&e, ClaimError::Proc { path, .. } if path.ends_with("43/cgroup")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn an_unreadable_checkpoint_stops_the_state_from_opening() {
+        let d = tempfile::tempdir().unwrap();
+        drop(core(d.path()));
+        let journal = d.path().join("state").join("allocations.jsonl");
+        std::fs::remove_file(&journal).unwrap();
+        std::fs::create_dir(&journal).unwrap();
+        let flags = Flags::parse_from([
+            "m",
+            "--state-dir",
+            d.path().join("state").to_str().unwrap(),
+            "--run-dir",
+            d.path().join("run").to_str().unwrap(),
+        ]);
+        let inventory = Inventory {
+            node: Node {
+                uuids: vec![],
+                memory: vec![],
+                links: vec![],
+            },
+            gpus: vec![],
+            numa: vec![],
+            models: vec![],
+            compute: vec![],
+        };
+        let e = Core::open(Settings::load(&flags).unwrap(), inventory)
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(&e, CoreError::Journal(JournalError::Read { path, .. }) if path == &journal),
+            "{e:?}"
+        );
+        assert!(e.is_node_fault());
     }
 
     #[test]

@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
 use notify::Watcher;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -21,19 +20,116 @@ use tracing::{error, info, warn};
 use vcuda_proto::constants;
 use vcuda_proto::deviceplugin::v1beta1 as dp;
 
+use crate::apiserver::ApiError;
 use crate::baseline::{self, BaselineError};
-use crate::core::Core;
+use crate::core::{Core, CoreError};
 use crate::gpus::{self, Health};
 use crate::ids::Kind;
 use crate::plugin::{self, Plugin, Shared};
 use crate::settings::Settings;
 
+/// Why the manager cannot start (or keep serving): each ends the process with its message
+/// on one line, naming the file, socket or flag and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("refusing to start: {0}")]
+    Library(#[source] BaselineError),
+    #[error("cannot load NVML (is the NVIDIA driver installed, or --nvml-library right?): {0}")]
+    Nvml(#[source] nvml_wrapper::error::NvmlError),
+    #[error("cannot list the GPUs through NVML: {0}")]
+    Inventory(#[source] nvml_wrapper::error::NvmlError),
+    #[error(transparent)]
+    State(#[from] CoreError),
+    #[error(transparent)]
+    Api(Box<ApiError>),
+    #[error("cannot serve metrics on {address}: {source}; pick another --metrics-address, or off")]
+    Metrics {
+        address: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot make the control socket {}: {source}", path.display())]
+    ControlSocket {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot make the host query socket {}: {source}", path.display())]
+    QuerySocket {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start the control loop's thread: {0}")]
+    ControlLoop(#[source] std::io::Error),
+    #[error("cannot handle {signal}: {source}")]
+    Signal {
+        signal: &'static str,
+        source: std::io::Error,
+    },
+    #[error("cannot serve the device plugin on {}: {source}; is --device-plugin-dir the kubelet's plugin directory, and writable?", path.display())]
+    PluginSocket {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl DaemonError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DaemonError::Library(_) => "library",
+            DaemonError::Nvml(_) => "nvml",
+            DaemonError::Inventory(_) => "inventory",
+            DaemonError::State(e) => e.kind(),
+            DaemonError::Api(e) => e.kind(),
+            DaemonError::Metrics { .. } => "metrics",
+            DaemonError::ControlSocket { .. } => "control-socket",
+            DaemonError::QuerySocket { .. } => "query-socket",
+            DaemonError::ControlLoop(_) => "control-loop",
+            DaemonError::Signal { .. } => "signal",
+            DaemonError::PluginSocket { .. } => "plugin-socket",
+        }
+    }
+}
+
+impl From<ApiError> for DaemonError {
+    fn from(e: ApiError) -> DaemonError {
+        DaemonError::Api(Box::new(e))
+    }
+}
+
+/// Registration with the kubelet did not succeed (retried with back-off; a socket of ours
+/// that disappeared makes the daemon serve afresh).
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error("{} was deleted while registering", path.display())]
+    SocketGone { path: PathBuf },
+    #[error("cannot reach {} ({source}); is the kubelet running, and --device-plugin-dir its plugin directory?", socket.display())]
+    Unreachable {
+        socket: PathBuf,
+        source: tonic::transport::Error,
+    },
+    #[error("the kubelet refused to register {resource}: {}", status.message())]
+    Refused {
+        resource: String,
+        status: tonic::Status,
+    },
+}
+
+impl RegisterError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RegisterError::SocketGone { .. } => "socket-gone",
+            RegisterError::Unreachable { .. } => "unreachable",
+            RegisterError::Refused { .. } => "refused",
+        }
+    }
+}
+
 /// Run until SIGTERM / SIGINT.
-pub async fn run(settings: Settings) -> Result<()> {
+pub async fn run(settings: Settings) -> Result<(), DaemonError> {
     check_library(&settings)?;
-    let nvml = gpus::open(settings.nvml_library.as_deref())
-        .context("cannot load NVML (is the NVIDIA driver installed, or --nvml-library right?)")?;
-    let inventory = gpus::discover(nvml).context("cannot list the GPUs through NVML")?;
+    let nvml = gpus::open(settings.nvml_library.as_deref()).map_err(DaemonError::Nvml)?;
+    let inventory = gpus::discover(nvml).map_err(DaemonError::Inventory)?;
     info!(
         gpus = inventory.gpus.len(),
         "found GPUs: {}",
@@ -44,7 +140,7 @@ pub async fn run(settings: Settings) -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let core = Core::open(settings.clone(), inventory.clone()).map_err(anyhow::Error::msg)?;
+    let core = Core::open(settings.clone(), inventory.clone())?;
     let api = crate::apiserver::connect(&settings).await?.map(Arc::new);
     let (health_tx, _) = watch::channel(vec![true; inventory.gpus.len()]);
     let shared = Arc::new(Shared {
@@ -60,13 +156,14 @@ pub async fn run(settings: Settings) -> Result<()> {
     });
     tokio::spawn(shared.clone().prefetch());
     if let Some(api) = api {
-        tokio::spawn(api.publish_loop(shared.clone()));
+        tokio::spawn(crate::publisher::publish_loop(api, shared.clone()));
     }
     if let Some(addr) = settings.metrics_address {
         let bound = crate::metrics::serve(addr, shared.view.clone(), settings.node_name.clone())
             .await
-            .with_context(|| {
-                format!("cannot serve metrics on {addr}; pick another --metrics-address, or off")
+            .map_err(|source| DaemonError::Metrics {
+                address: addr,
+                source,
             })?;
         info!(%bound, "metrics at http://{bound}/metrics");
     }
@@ -80,11 +177,11 @@ pub async fn run(settings: Settings) -> Result<()> {
         stop.clone(),
     );
 
-    let listener = crate::control::bind(&settings.socket_path()).with_context(|| {
-        format!(
-            "cannot make the control socket {}",
-            settings.socket_path().display()
-        )
+    let listener = crate::control::bind(&settings.socket_path()).map_err(|source| {
+        DaemonError::ControlSocket {
+            path: settings.socket_path(),
+            source,
+        }
     })?;
     tokio::spawn(crate::control::serve(
         listener,
@@ -93,11 +190,11 @@ pub async fn run(settings: Settings) -> Result<()> {
         crate::control::Scope::Container,
         settings.proc_root.clone(),
     ));
-    let host = crate::control::bind_host(&settings.query_socket_path()).with_context(|| {
-        format!(
-            "cannot make the host query socket {}",
-            settings.query_socket_path().display()
-        )
+    let host = crate::control::bind_host(&settings.query_socket_path()).map_err(|source| {
+        DaemonError::QuerySocket {
+            path: settings.query_socket_path(),
+            source,
+        }
     })?;
     tokio::spawn(crate::control::serve(
         host,
@@ -107,7 +204,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         settings.proc_root.clone(),
     ));
     crate::control_loop::start(nvml, shared.clone(), tokio::runtime::Handle::current())
-        .context("cannot start the control loop's thread")?;
+        .map_err(DaemonError::ControlLoop)?;
 
     // Signal handlers now, so a SIGTERM at any moment below is seen.
     let mut shutdown = Box::pin(shutdown_signal()?);
@@ -117,7 +214,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         let cycle = async {
             let started = Instant::now();
             if let Err(why) = register_all(&settings).await {
-                return why;
+                return why.to_string();
             }
             info!(
                 elapsed_ms = started.elapsed().as_millis() as u64,
@@ -133,7 +230,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         let Some(why) = outcome else {
             info!("shutting down");
             if let Some(api) = &shared.api {
-                api.withdraw(&shared).await;
+                crate::publisher::withdraw(api, &shared).await;
             }
             stop.store(true, Ordering::Relaxed);
             return Ok(());
@@ -146,7 +243,7 @@ pub async fn run(settings: Settings) -> Result<()> {
             _ = &mut shutdown => {
                 info!("shutting down");
                 if let Some(api) = &shared.api {
-                    api.withdraw(&shared).await;
+                    crate::publisher::withdraw(api, &shared).await;
                 }
                 stop.store(true, Ordering::Relaxed);
                 return Ok(());
@@ -157,7 +254,7 @@ pub async fn run(settings: Settings) -> Result<()> {
 
 /// The library every container preloads must load in the images at the baseline: else every
 /// process of a pod given it fails to start (issue 13). Refused, the manager never registers.
-fn check_library(settings: &Settings) -> Result<()> {
+fn check_library(settings: &Settings) -> Result<(), DaemonError> {
     let path = &settings.library;
     let Some(baseline) = settings.library_baseline else {
         warn!(
@@ -172,7 +269,7 @@ fn check_library(settings: &Settings) -> Result<()> {
             source,
         })
         .and_then(|bytes| baseline::check(path, &bytes, baseline))
-        .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
+        .map_err(DaemonError::Library)?;
     info!(
         "library {} meets the glibc {}.{} baseline ({})",
         path.display(),
@@ -197,10 +294,16 @@ async fn kubelet_ready(dir: &Path) {
 }
 
 /// Installs the SIGTERM / SIGINT handlers at once; the future resolves on either.
-fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, DaemonError> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
-    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    let handle = |kind, name| {
+        signal(kind).map_err(|source| DaemonError::Signal {
+            signal: name,
+            source,
+        })
+    };
+    let mut term = handle(SignalKind::terminate(), "SIGTERM")?;
+    let mut int = handle(SignalKind::interrupt(), "SIGINT")?;
     Ok(async move {
         tokio::select! {
             _ = term.recv() => {}
@@ -216,7 +319,7 @@ struct Plugins {
 }
 
 impl Plugins {
-    async fn start(settings: &Settings, shared: &Arc<Shared>) -> Result<Plugins> {
+    async fn start(settings: &Settings, shared: &Arc<Shared>) -> Result<Plugins, DaemonError> {
         let mut p = Plugins {
             stops: Vec::new(),
             tasks: Vec::new(),
@@ -224,8 +327,12 @@ impl Plugins {
         for kind in [Kind::Core, Kind::Memory] {
             let path = settings.device_plugin_dir.join(kind.socket());
             let _ = std::fs::remove_file(&path);
-            let listener = tokio::net::UnixListener::bind(&path)
-                .with_context(|| format!("cannot serve the device plugin on {}", path.display()))?;
+            let listener = tokio::net::UnixListener::bind(&path).map_err(|source| {
+                DaemonError::PluginSocket {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
             let (tx, rx) = oneshot::channel();
             let svc = dp::device_plugin_server::DevicePluginServer::new(Plugin {
                 kind,
@@ -262,18 +369,18 @@ impl Plugins {
 /// Register both resources; retry (with back-off, logging) until the kubelet accepts. Gives
 /// up (to serve afresh) if one of our sockets is gone meanwhile: the kubelet could never
 /// dial it back.
-async fn register_all(settings: &Settings) -> Result<(), String> {
+async fn register_all(settings: &Settings) -> Result<(), RegisterError> {
     for kind in [Kind::Core, Kind::Memory] {
         let mut delay = Duration::from_millis(50);
         loop {
             let ours = settings.device_plugin_dir.join(kind.socket());
             if !ours.exists() {
-                return Err(format!("{} was deleted while registering", ours.display()));
+                return Err(RegisterError::SocketGone { path: ours });
             }
             match register(settings, kind).await {
                 Ok(()) => break,
                 Err(e) => {
-                    warn!(resource = %kind.resource(&settings.domain), error = %e, "registration failed; retrying");
+                    warn!(resource = %kind.resource(&settings.domain), error = %e, kind = e.kind(), "registration failed; retrying");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(1));
                 }
@@ -283,24 +390,28 @@ async fn register_all(settings: &Settings) -> Result<(), String> {
     Ok(())
 }
 
-async fn register(settings: &Settings, kind: Kind) -> Result<(), String> {
+async fn register(settings: &Settings, kind: Kind) -> Result<(), RegisterError> {
     let sock = settings.device_plugin_dir.join("kubelet.sock");
     let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(15));
     let channel = vcuda_proto::uds::connect_with(endpoint, &sock)
         .await
-        .map_err(|e| format!("cannot reach {} ({e}); is the kubelet running, and --device-plugin-dir its plugin directory?", sock.display()))?;
+        .map_err(|source| RegisterError::Unreachable {
+            socket: sock.clone(),
+            source,
+        })?;
     let mut client = dp::registration_client::RegistrationClient::new(channel);
+    let resource = kind.resource(&settings.domain);
     client
         .register(dp::RegisterRequest {
             version: constants::VERSION.into(),
             endpoint: kind.socket().into(),
-            resource_name: kind.resource(&settings.domain),
+            resource_name: resource.clone(),
             options: Some(plugin::options()),
         })
         .await
-        .map_err(|s| s.message().to_string())?;
+        .map_err(|status| RegisterError::Refused { resource, status })?;
     Ok(())
 }
 

@@ -21,12 +21,29 @@ pub struct CheckpointEntry {
     pub device_ids: Vec<String>,
 }
 
+/// The kubelet's checkpoint is not readable as a whole (single entries that are not are
+/// skipped, not errors).
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("the kubelet's device-manager checkpoint is not JSON ({0}); is --kubelet-checkpoint the kubelet's kubelet_internal_checkpoint?")]
+    NotJson(#[source] serde_json::Error),
+}
+
+impl CheckpointError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CheckpointError::NotJson(_) => "checkpoint-not-json",
+        }
+    }
+}
+
 /// Parse `kubelet_internal_checkpoint` leniently: both shapes of `DeviceIDs` (a flat list
 /// before Kubernetes 1.20, a map by NUMA node since), unknown fields ignored, malformed
 /// entries skipped. The checksum is not checked (it is FNV over a Go dump; we never write
 /// the file).
-pub fn parse_checkpoint(text: &str) -> Result<Vec<CheckpointEntry>, String> {
-    let v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+pub fn parse_checkpoint(text: &str) -> Result<Vec<CheckpointEntry>, CheckpointError> {
+    let v: Value = serde_json::from_str(text).map_err(CheckpointError::NotJson)?;
     let entries = v
         .pointer("/Data/PodDeviceEntries")
         .and_then(Value::as_array)
@@ -147,7 +164,10 @@ mod tests {
             None
         );
         assert!(parse_checkpoint("{}").unwrap().is_empty());
-        assert!(parse_checkpoint("nope").is_err());
+        assert!(matches!(
+            parse_checkpoint("nope"),
+            Err(CheckpointError::NotJson(_))
+        ));
     }
 
     #[test]

@@ -27,9 +27,72 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::allocation::Allocation;
+use crate::files::{write_atomic, FileError};
 
 /// Format version of a line.
 pub const VERSION: u32 = 1;
+
+/// The checkpoint cannot be read or written. Reading it failing stops the manager at start
+/// (it would otherwise forget every allocation); a failed write refuses the RPC that needed
+/// it, so nothing runs that a restarted manager would not know.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("cannot read the checkpoint {}: {source}; fix its permissions, or move it away to start empty", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot rewrite the checkpoint: {0}")]
+    Rewrite(#[source] FileError),
+    #[error("cannot open the checkpoint {} to append to it: {source}; fix its permissions", path.display())]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot append to the checkpoint {}: {source}; free space on its file system", path.display())]
+    Append {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl JournalError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            JournalError::Read { .. } => "checkpoint-read",
+            JournalError::Rewrite(_) => "checkpoint-rewrite",
+            JournalError::Open { .. } => "checkpoint-open",
+            JournalError::Append { .. } => "checkpoint-append",
+        }
+    }
+}
+
+/// Why a line of the checkpoint was skipped at replay (never fatal: see the module's
+/// invariants). `line` counts from 1, blank lines included.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("line {line} is not a checkpoint record ({source}); torn by a power loss or written by hand")]
+    Unparsable {
+        line: usize,
+        source: serde_json::Error,
+    },
+    #[error("line {line} is a record of format version {version}, this vcuda-manager reads {VERSION}; written by another release")]
+    Version { line: usize, version: u32 },
+    #[error("line {line} neither puts nor removes exactly one allocation")]
+    Shape { line: usize },
+}
+
+impl RecordError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RecordError::Unparsable { .. } => "record-unparsable",
+            RecordError::Version { .. } => "record-version",
+            RecordError::Shape { .. } => "record-shape",
+        }
+    }
+}
 
 /// One line of the journal.
 #[derive(Debug, Serialize, Deserialize)]
@@ -49,32 +112,53 @@ pub struct Replay {
     /// compaction that follows).
     pub skipped: usize,
     pub lines: usize,
+    /// Why the first skipped line was skipped (for the log; the rest are counted).
+    pub first_skipped: Option<RecordError>,
 }
 
 /// Replay journal text (pure).
 pub fn replay(text: &str) -> Replay {
     let mut r = Replay::default();
-    for raw in text.lines().filter(|l| !l.trim().is_empty()) {
+    for (n, raw) in text.lines().enumerate() {
+        if raw.trim().is_empty() {
+            continue;
+        }
         r.lines += 1;
-        match serde_json::from_str::<Line>(raw) {
-            Ok(Line {
-                v: VERSION,
-                put: Some(a),
-                remove: None,
-            }) => {
-                r.allocations.insert(a.id.clone(), a);
-            }
-            Ok(Line {
-                v: VERSION,
-                put: None,
-                remove: Some(id),
-            }) => {
-                r.allocations.remove(&id);
-            }
-            _ => r.skipped += 1,
+        if let Err(e) = apply(&mut r.allocations, n + 1, raw) {
+            r.skipped += 1;
+            r.first_skipped.get_or_insert(e);
         }
     }
     r
+}
+
+/// Apply line number `line` (`raw`) to `allocations`, or say why it cannot be.
+fn apply(
+    allocations: &mut BTreeMap<String, Allocation>,
+    line: usize,
+    raw: &str,
+) -> Result<(), RecordError> {
+    match serde_json::from_str::<Line>(raw) {
+        Err(source) => Err(RecordError::Unparsable { line, source }),
+        Ok(Line { v, .. }) if v != VERSION => Err(RecordError::Version { line, version: v }),
+        Ok(Line {
+            put: Some(a),
+            remove: None,
+            ..
+        }) => {
+            allocations.insert(a.id.clone(), a);
+            Ok(())
+        }
+        Ok(Line {
+            put: None,
+            remove: Some(id),
+            ..
+        }) => {
+            allocations.remove(&id);
+            Ok(())
+        }
+        Ok(_) => Err(RecordError::Shape { line }),
+    }
 }
 
 fn line(l: &Line) -> Vec<u8> {
@@ -97,15 +181,15 @@ pub struct Journal {
 
 impl Journal {
     /// Replay `path` (absent: empty), rewrite it compact and open it for appending.
-    pub fn open(path: &Path) -> Result<(Journal, Replay), String> {
+    pub fn open(path: &Path) -> Result<(Journal, Replay), JournalError> {
         let text = match std::fs::read_to_string(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => {
-                return Err(format!(
-                    "cannot read the checkpoint {}: {e}; fix its permissions, or move it away to start empty",
-                    path.display()
-                ))
+            Err(source) => {
+                return Err(JournalError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })
             }
         };
         let replay = replay(&text);
@@ -114,7 +198,10 @@ impl Journal {
     }
 
     /// Write `allocations` as a fresh journal (atomically) and open it for appending.
-    fn rewrite(path: &Path, allocations: &BTreeMap<String, Allocation>) -> Result<Journal, String> {
+    fn rewrite(
+        path: &Path,
+        allocations: &BTreeMap<String, Allocation>,
+    ) -> Result<Journal, JournalError> {
         let mut bytes = Vec::new();
         for a in allocations.values() {
             bytes.extend(line(&Line {
@@ -123,11 +210,14 @@ impl Journal {
                 remove: None,
             }));
         }
-        crate::core::write_atomic(path, &bytes, 0o600)?;
+        write_atomic(path, &bytes, 0o600).map_err(JournalError::Rewrite)?;
         let file = OpenOptions::new()
             .append(true)
             .open(path)
-            .map_err(|e| format!("cannot open the checkpoint {}: {e}", path.display()))?;
+            .map_err(|source| JournalError::Open {
+                path: path.to_path_buf(),
+                source,
+            })?;
         Ok(Journal {
             path: path.to_path_buf(),
             file,
@@ -141,18 +231,18 @@ impl Journal {
     /// cut back to the last whole line, so it cannot swallow the next record. Should even
     /// that fail, the next line starts with a newline of its own, and replay skips the
     /// fragment.
-    fn append(&mut self, l: &Line) -> Result<(), String> {
+    fn append(&mut self, l: &Line) -> Result<(), JournalError> {
         let mut bytes = line(l);
         if self.torn {
             bytes.insert(0, b'\n');
         }
         // One write of a whole line: O_APPEND makes it land after every earlier line.
-        if let Err(e) = self.file.write_all(&bytes) {
+        if let Err(source) = self.file.write_all(&bytes) {
             self.torn = self.file.set_len(self.len).is_err();
-            return Err(format!(
-                "cannot append to the checkpoint {}: {e}; free space on its file system",
-                self.path.display()
-            ));
+            return Err(JournalError::Append {
+                path: self.path.clone(),
+                source,
+            });
         }
         self.len += bytes.len() as u64;
         self.torn = false;
@@ -161,7 +251,7 @@ impl Journal {
     }
 
     /// Record an allocation's current state.
-    pub fn put(&mut self, a: &Allocation) -> Result<(), String> {
+    pub fn put(&mut self, a: &Allocation) -> Result<(), JournalError> {
         self.append(&Line {
             v: VERSION,
             put: Some(a.clone()),
@@ -170,7 +260,7 @@ impl Journal {
     }
 
     /// Record that an allocation is gone.
-    pub fn remove(&mut self, id: &str) -> Result<(), String> {
+    pub fn remove(&mut self, id: &str) -> Result<(), JournalError> {
         self.append(&Line {
             v: VERSION,
             put: None,
@@ -182,7 +272,7 @@ impl Journal {
     pub fn compact_if_needed(
         &mut self,
         live: &BTreeMap<String, Allocation>,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, JournalError> {
         if self.lines <= 2 * live.len() + 64 {
             return Ok(false);
         }
@@ -245,6 +335,60 @@ mod tests {
         let r = replay(&text);
         assert_eq!(r.allocations.len(), 1, "the v2 remove is not understood");
         assert_eq!(r.skipped, 2);
+        let first = r.first_skipped.expect("the first skipped line is named");
+        assert!(
+            matches!(
+                first,
+                RecordError::Version {
+                    line: 2,
+                    version: 2
+                }
+            ),
+            "{first:?}"
+        );
+        assert!(first.to_string().contains("line 2"), "{first}");
+    }
+
+    #[test]
+    fn a_corrupt_record_is_named_by_its_line_and_why() {
+        let good = String::from_utf8(line(&Line {
+            v: VERSION,
+            put: Some(alloc("a", 1)),
+            remove: None,
+        }))
+        .unwrap();
+        let r = replay(&format!("{good}\n{{\"v\":1,\"put\":{{\"id\":\n"));
+        assert_eq!((r.lines, r.skipped), (2, 1));
+        let e = r.first_skipped.unwrap();
+        assert!(
+            matches!(e, RecordError::Unparsable { line: 3, .. }),
+            "blank lines count: {e:?}"
+        );
+        assert_eq!(e.kind(), "record-unparsable");
+        let r = replay("{\"v\":1}\n");
+        assert!(
+            matches!(r.first_skipped, Some(RecordError::Shape { line: 1 })),
+            "{:?}",
+            r.first_skipped
+        );
+    }
+
+    #[test]
+    fn an_unreadable_checkpoint_is_an_error_naming_it_not_an_empty_state() {
+        let d = tempfile::tempdir().unwrap();
+        // A directory where the file should be: reading it fails with EISDIR.
+        let p = d.path().join("j.jsonl");
+        std::fs::create_dir(&p).unwrap();
+        let e = Journal::open(&p).err().expect("refused");
+        assert!(
+            matches!(&e, JournalError::Read { path, .. } if path == &p),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains(&p.display().to_string()) && text.contains("move it away"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -275,9 +419,9 @@ mod tests {
         let (mut j, _) = Journal::open(&p).unwrap();
         j.put(&alloc("a", 1)).unwrap();
         let good = std::fs::metadata(&p).unwrap().len();
-        let code = crate::core::tests::with_file_limit(good + 20, || {
+        let code = crate::files::tests::with_file_limit(good + 20, || {
             // Part of the line fits, the rest does not: refused, and cut back.
-            let failed = j.put(&alloc("b", 2)).is_err();
+            let failed = matches!(j.put(&alloc("b", 2)), Err(JournalError::Append { .. }));
             failed && std::fs::metadata(&p).unwrap().len() == good
         });
         assert_eq!(

@@ -4,9 +4,15 @@ use anyhow::Context;
 use clap::Parser;
 use vcuda_manager::settings::{Flags, Settings};
 
+/// The manager's typed errors carry their causes in their messages: reported as that one
+/// line (`Error: …`), not followed by a "Caused by" list repeating them.
+fn one_line(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::Error::msg(e.to_string())
+}
+
 fn main() -> anyhow::Result<()> {
     let flags = Flags::parse();
-    let settings = Settings::load(&flags).map_err(anyhow::Error::msg)?;
+    let settings = Settings::load(&flags).map_err(one_line)?;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&settings.log)
@@ -24,4 +30,5 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     rt.block_on(vcuda_manager::daemon::run(settings))
+        .map_err(one_line)
 }

@@ -210,12 +210,68 @@ pub enum Cores {
     Split { uuids: Vec<String>, percent: u32 },
 }
 
+/// What the kubelet handed an Allocate cannot be served: the words a user reads in
+/// `kubectl describe pod` (the kubelet shows the reason), each saying what to request instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("device {id} is not a vcuda-core device")]
+    NotCore { id: String },
+    #[error("vcuda-core: no devices were allocated")]
+    NoCores,
+    #[error(
+        "vcuda-core {total} is neither a share of one GPU (1 to 99) nor whole GPUs (a multiple of 100); request e.g. {} or {}, or split it evenly over N GPUs with the pod annotation vcuda.io/gpu-count: \"N\" (which needs vcuda-manager's API server access)",
+        total / CORES_PER_GPU * CORES_PER_GPU,
+        (total / CORES_PER_GPU + 1) * CORES_PER_GPU
+    )]
+    CoresNotShareOrWhole { total: u32 },
+    #[error(
+        "vcuda-core {total} was split unevenly across {} GPUs by the kubelet ({}); a share must fit on one GPU (or be split evenly with vcuda.io/gpu-count): no GPU on this node has {total} % free",
+        per_gpu.len(),
+        per_gpu.iter().map(|(u, c)| format!("{c} on {u}")).collect::<Vec<_>>().join(", ")
+    )]
+    CoresUneven {
+        total: u32,
+        /// (GPU UUID, IDs on it), by UUID.
+        per_gpu: Vec<(String, u32)>,
+    },
+    #[error("device {id} is not a vcuda-memory device")]
+    NotMemory { id: String },
+    #[error("vcuda-memory: no devices were allocated")]
+    NoMemory,
+    #[error(
+        "vcuda-memory {total} ({} MiB) does not fit on one GPU: the largest GPU on this node has {largest} units ({} MiB) and shares cannot span GPUs unevenly",
+        (total * MEMORY_UNIT) >> 20,
+        (largest * MEMORY_UNIT) >> 20
+    )]
+    MemoryUneven {
+        /// Units asked for (256 MiB each).
+        total: u64,
+        /// Units of the largest GPU.
+        largest: u64,
+    },
+}
+
+impl PlacementError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PlacementError::NotCore { .. } => "not-core",
+            PlacementError::NoCores => "no-cores",
+            PlacementError::CoresNotShareOrWhole { .. } => "cores-not-share-or-whole",
+            PlacementError::CoresUneven { .. } => "cores-uneven",
+            PlacementError::NotMemory { .. } => "not-memory",
+            PlacementError::NoMemory => "no-memory",
+            PlacementError::MemoryUneven { .. } => "memory-uneven",
+        }
+    }
+}
+
 /// Validate the `vcuda-core` IDs of one Allocate: 1..99 on one GPU, or 100 on each of n GPUs.
-pub fn check_cores(ids: &[DeviceId]) -> Result<Cores, String> {
+pub fn check_cores(ids: &[DeviceId]) -> Result<Cores, PlacementError> {
     let mut per: BTreeMap<&str, u32> = BTreeMap::new();
     for id in ids {
         if id.kind != Kind::Core {
-            return Err(format!("device {id} is not a vcuda-core device"));
+            return Err(PlacementError::NotCore { id: id.to_string() });
         }
         *per.entry(id.uuid.as_str()).or_default() += 1;
     }
@@ -241,19 +297,14 @@ pub fn check_cores(ids: &[DeviceId]) -> Result<Cores, String> {
         });
     }
     Err(if total == 0 {
-        "vcuda-core: no devices were allocated".to_string()
+        PlacementError::NoCores
     } else if !whole && total > CORES_PER_GPU {
-        format!(
-            "vcuda-core {total} is neither a share of one GPU (1 to 99) nor whole GPUs (a multiple of 100); request e.g. {} or {}, or split it evenly over N GPUs with the pod annotation vcuda.io/gpu-count: \"N\" (which needs vcuda-manager's API server access)",
-            total / CORES_PER_GPU * CORES_PER_GPU,
-            (total / CORES_PER_GPU + 1) * CORES_PER_GPU
-        )
+        PlacementError::CoresNotShareOrWhole { total }
     } else {
-        format!(
-            "vcuda-core {total} was split unevenly across {} GPUs by the kubelet ({}); a share must fit on one GPU (or be split evenly with vcuda.io/gpu-count): no GPU on this node has {total} % free",
-            per.len(),
-            per.iter().map(|(u, c)| format!("{c} on {u}")).collect::<Vec<_>>().join(", ")
-        )
+        PlacementError::CoresUneven {
+            total,
+            per_gpu: per.iter().map(|(u, c)| (u.to_string(), *c)).collect(),
+        }
     })
 }
 
@@ -269,18 +320,18 @@ pub struct MemoryPlacement {
 /// Validate the `vcuda-memory` IDs of one Allocate: all on one GPU, or the same amount on
 /// each of several (a `vcuda.io/gpu-count` split, checked against the pod at
 /// PreStartContainer).
-pub fn check_memory(node: &Node, ids: &[DeviceId]) -> Result<MemoryPlacement, String> {
+pub fn check_memory(node: &Node, ids: &[DeviceId]) -> Result<MemoryPlacement, PlacementError> {
     let mut per: BTreeMap<&str, u64> = BTreeMap::new();
     for id in ids {
         if id.kind != Kind::Memory {
-            return Err(format!("device {id} is not a vcuda-memory device"));
+            return Err(PlacementError::NotMemory { id: id.to_string() });
         }
         *per.entry(id.uuid.as_str()).or_default() += 1;
     }
     let total: u64 = per.values().sum();
     let first = per.values().next().copied().unwrap_or(0);
     if per.is_empty() {
-        return Err("vcuda-memory: no devices were allocated".to_string());
+        return Err(PlacementError::NoMemory);
     }
     if per.values().all(|&n| n == first) {
         return Ok(MemoryPlacement {
@@ -289,11 +340,7 @@ pub fn check_memory(node: &Node, ids: &[DeviceId]) -> Result<MemoryPlacement, St
         });
     }
     let largest = node.memory.iter().copied().max().unwrap_or(0) / MEMORY_UNIT;
-    Err(format!(
-        "vcuda-memory {total} ({} MiB) does not fit on one GPU: the largest GPU on this node has {largest} units ({} MiB) and shares cannot span GPUs unevenly",
-        (total * MEMORY_UNIT) >> 20,
-        (largest * MEMORY_UNIT) >> 20
-    ))
+    Err(PlacementError::MemoryUneven { total, largest })
 }
 
 /// GetPreferredAllocation when the scheduler (or the container's other resource) has
@@ -522,7 +569,12 @@ mod tests {
         );
         let odd: Vec<DeviceId> = ids(0, 100).into_iter().chain(ids(1, 50)).collect();
         let e = check_cores(&odd).unwrap_err();
-        assert!(e.contains("150") && e.contains("multiple of 100"), "{e}");
+        assert_eq!(e, PlacementError::CoresNotShareOrWhole { total: 150 });
+        let e = e.to_string();
+        assert!(
+            e.contains("150") && e.contains("multiple of 100") && e.contains("e.g. 100 or 200"),
+            "{e}"
+        );
         let split: Vec<DeviceId> = ids(0, 20).into_iter().chain(ids(1, 20)).collect();
         assert_eq!(
             check_cores(&split),
@@ -534,7 +586,18 @@ mod tests {
         );
         let uneven: Vec<DeviceId> = ids(0, 20).into_iter().chain(ids(1, 30)).collect();
         let e = check_cores(&uneven).unwrap_err();
+        assert!(
+            matches!(&e, PlacementError::CoresUneven { total: 50, per_gpu } if per_gpu.len() == 2),
+            "{e:?}"
+        );
+        let e = e.to_string();
         assert!(e.contains("one GPU") && e.contains("unevenly"), "{e}");
+        assert_eq!(check_cores(&[]), Err(PlacementError::NoCores));
+        let mem = all_ids(&n.uuids[0], Kind::Memory, n.memory[0]);
+        assert!(matches!(
+            check_cores(&mem[..1]),
+            Err(PlacementError::NotCore { .. })
+        ));
     }
 
     #[test]
@@ -547,6 +610,14 @@ mod tests {
         let m1 = all_ids(&n.uuids[1], Kind::Memory, n.memory[1]);
         let big: Vec<DeviceId> = m0.iter().chain(m1[..10].iter()).cloned().collect();
         let e = check_memory(&n, &big).unwrap_err();
+        assert_eq!(
+            e,
+            PlacementError::MemoryUneven {
+                total: 170,
+                largest: 160
+            }
+        );
+        let e = e.to_string();
         assert!(e.contains("170") && e.contains("40960 MiB"), "{e}");
         let even: Vec<DeviceId> = m0[..8].iter().chain(m1[..8].iter()).cloned().collect();
         let m = check_memory(&n, &even).unwrap();

@@ -1,5 +1,6 @@
 //! The kubelet-facing gRPC services: one `DevicePlugin` server per resource, and the
 //! PodResources lookup PreStartContainer needs. Thin: decisions are in [`crate::core`].
+//! What the kubelet reads of a refusal is decided here, in one place ([`refusal`]).
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -16,11 +17,64 @@ use vcuda_proto::podresources::v1 as pr;
 
 use crate::allocation::{Answer, Holdings};
 use crate::apiserver::ApiServer;
-use crate::assign::{self, Holds, PodFacts};
-use crate::core::Core;
+use crate::assign::{self, AssignError, Holds, PodFacts};
+use crate::core::{Core, CoreError};
 use crate::ids::{all_ids, DeviceId, Kind};
 use crate::lookup::ListCache;
 use vcuda_cluster::{GpuShare, Reservations};
+
+/// The kubelet's PodResources API did not answer a `List`.
+#[derive(Debug, thiserror::Error)]
+pub enum PodResourcesError {
+    #[error("cannot ask the kubelet's PodResources API at {}: {source}; is --pod-resources-socket the kubelet's, and the kubelet running?", socket.display())]
+    Connect {
+        socket: std::path::PathBuf,
+        source: tonic::transport::Error,
+    },
+    #[error("cannot ask the kubelet's PodResources API at {}: {}", socket.display(), status.message())]
+    List {
+        socket: std::path::PathBuf,
+        status: Status,
+    },
+}
+
+impl PodResourcesError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PodResourcesError::Connect { .. } => "pod-resources-connect",
+            PodResourcesError::List { .. } => "pod-resources-list",
+        }
+    }
+}
+
+/// The two RPCs that can refuse a container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rpc {
+    Allocate,
+    PreStartContainer,
+}
+
+/// What the kubelet reads when `rpc` refuses: the message (prefixed `vcuda: `, which the
+/// user sees in the pod's events) and a code. The request's faults are
+/// `InvalidArgument` (Allocate: devices that cannot be served) or `FailedPrecondition`
+/// (PreStartContainer: what was allocated would run wrong); the node's own faults (its
+/// files, checkpoint, region, random source) are `Internal`. The kubelet fails the pod's
+/// admission or start on any code alike; the code is for whoever reads the status.
+pub fn refusal(rpc: Rpc, e: &CoreError) -> Status {
+    let message = format!("vcuda: {e}");
+    match (e.is_node_fault(), rpc) {
+        (true, _) => Status::internal(message),
+        (false, Rpc::Allocate) => Status::invalid_argument(message),
+        (false, Rpc::PreStartContainer) => Status::failed_precondition(message),
+    }
+}
+
+/// What the kubelet reads when PreStartContainer cannot ask PodResources which container
+/// it is for: `Unavailable` (the kubelet's own API did not answer; a retry may do).
+pub fn pod_resources_refusal(e: &PodResourcesError) -> Status {
+    Status::unavailable(format!("vcuda: {e}"))
+}
 
 /// What every service shares.
 pub struct Shared {
@@ -179,8 +233,8 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
             match core.allocate(self.kind, &c.devices_ids) {
                 Ok(a) => container_responses.push(to_proto(a)),
                 Err(reason) => {
-                    warn!(%resource, %reason, "Allocate refused");
-                    return Err(Status::invalid_argument(format!("vcuda: {reason}")));
+                    warn!(%resource, %reason, kind = reason.kind(), "Allocate refused");
+                    return Err(refusal(Rpc::Allocate, &reason));
                 }
             }
         }
@@ -231,10 +285,8 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
             .holdings(&socket, &domain, self.kind, &ids)
             .await
             .map_err(|e| {
-                Status::unavailable(format!(
-                    "vcuda: cannot ask the kubelet's PodResources API at {}: {e}",
-                    socket.display()
-                ))
+                warn!(reason = %e, kind = e.kind(), "PreStartContainer refused");
+                pod_resources_refusal(&e)
             })?;
         tracing::debug!(us = t1.elapsed().as_micros() as u64, "PodResources lookup");
         let who = held
@@ -261,8 +313,8 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                 Ok(Response::new(dp::PreStartContainerResponse {}))
             }
             Err(reason) => {
-                warn!(%reason, "PreStartContainer refused");
-                Err(Status::failed_precondition(format!("vcuda: {reason}")))
+                warn!(%reason, kind = reason.kind(), "PreStartContainer refused");
+                Err(refusal(Rpc::PreStartContainer, &reason))
             }
         }
     }
@@ -312,7 +364,7 @@ impl Shared {
         domain: &str,
         kind: Kind,
         ids: &[String],
-    ) -> Result<Option<Holdings>, String> {
+    ) -> Result<Option<Holdings>, PodResourcesError> {
         let cached = self.lists.lock().usable();
         if let Some(found) = cached.and_then(|l| find(&l, domain, kind, ids)) {
             return Ok(Some(found));
@@ -332,7 +384,7 @@ impl Shared {
     pub async fn fresh_list(
         &self,
         socket: &std::path::Path,
-    ) -> Result<Arc<pr::ListPodResourcesResponse>, String> {
+    ) -> Result<Arc<pr::ListPodResourcesResponse>, PodResourcesError> {
         let channel = {
             let mut cached = self.pod_resources.lock().await;
             match cached.as_ref() {
@@ -343,7 +395,10 @@ impl Shared {
                         .timeout(Duration::from_secs(10));
                     let c = vcuda_proto::uds::connect_with(endpoint, socket)
                         .await
-                        .map_err(|e| e.to_string())?;
+                        .map_err(|source| PodResourcesError::Connect {
+                            socket: socket.to_path_buf(),
+                            source,
+                        })?;
                     *cached = Some(c.clone());
                     c
                 }
@@ -353,9 +408,12 @@ impl Shared {
         let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
         let list = match client.list(pr::ListPodResourcesRequest {}).await {
             Ok(l) => Arc::new(l.into_inner()),
-            Err(e) => {
+            Err(status) => {
                 *self.pod_resources.lock().await = None; // dial afresh next time
-                return Err(e.message().to_string());
+                return Err(PodResourcesError::List {
+                    socket: socket.to_path_buf(),
+                    status,
+                });
             }
         };
         self.lists.lock().store(token, list.clone(), Instant::now());
@@ -523,7 +581,8 @@ impl Shared {
     /// Who holds which of our resources now (a fresh PodResources list), and on which GPUs.
     pub async fn holds(
         &self,
-    ) -> Result<(Holds, HashMap<(String, String, String, Kind), Vec<String>>), String> {
+    ) -> Result<(Holds, HashMap<(String, String, String, Kind), Vec<String>>), PodResourcesError>
+    {
         let (socket, domain) = {
             let core = self.core.lock();
             (
@@ -575,7 +634,7 @@ impl Shared {
         &self,
         api: &ApiServer,
         held: &Holdings,
-    ) -> (Option<PodFacts>, Option<Result<Vec<GpuShare>, String>>) {
+    ) -> (Option<PodFacts>, Option<Result<Vec<GpuShare>, AssignError>>) {
         let (pod, reservations) = match api.vouched_pod(&held.namespace, &held.pod).await {
             Ok(c) => c,
             Err(e) => {
@@ -604,14 +663,18 @@ impl Shared {
             return (Some(pod), assigned);
         }
         // A disagreement: is it an exchange with an identical pod?
-        let (pods, holds) = match tokio::try_join!(api.node_pods(), self.holds()) {
-            Ok((mut p, (h, _))) => {
+        let (pods, holds) = match tokio::join!(api.node_pods(), self.holds()) {
+            (Ok(mut p), Ok((h, _))) => {
                 for y in &mut p {
                     assign::vouch(y, reservations.as_ref());
                 }
                 (p, h)
             }
-            Err(e) => {
+            (Err(e), _) => {
+                warn!(error = %e, "cannot look for an identical pod to exchange with");
+                return (Some(pod), assigned);
+            }
+            (_, Err(e)) => {
                 warn!(error = %e, "cannot look for an identical pod to exchange with");
                 return (Some(pod), assigned);
             }
@@ -706,6 +769,38 @@ pub fn find(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::placement::PlacementError;
+
+    /// The kubelet reads the reason with a code that tells the request's fault from the
+    /// node's.
+    #[test]
+    fn refusals_reach_the_kubelet_with_their_reason_and_code() {
+        let request = CoreError::Placement(PlacementError::NoCores);
+        let s = refusal(Rpc::Allocate, &request);
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        assert_eq!(s.message(), "vcuda: vcuda-core: no devices were allocated");
+        let s = refusal(Rpc::PreStartContainer, &request);
+        assert_eq!(s.code(), tonic::Code::FailedPrecondition);
+        let node = CoreError::Files(crate::files::FileError::CreateDir {
+            path: "/run/vcuda/alloc/a1/etc".into(),
+            source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        });
+        for rpc in [Rpc::Allocate, Rpc::PreStartContainer] {
+            let s = refusal(rpc, &node);
+            assert_eq!(s.code(), tonic::Code::Internal);
+            assert!(s.message().contains("/run/vcuda/alloc/a1/etc"), "{s:?}");
+        }
+        let e = PodResourcesError::List {
+            socket: "/var/lib/kubelet/pod-resources/kubelet.sock".into(),
+            status: Status::unavailable("no kubelet"),
+        };
+        let s = pod_resources_refusal(&e);
+        assert_eq!(s.code(), tonic::Code::Unavailable);
+        assert_eq!(
+            s.message(),
+            "vcuda: cannot ask the kubelet's PodResources API at /var/lib/kubelet/pod-resources/kubelet.sock: no kubelet"
+        );
+    }
 
     #[test]
     fn a_span_shows_the_first_device_ids_and_how_many() {

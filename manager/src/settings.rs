@@ -184,6 +184,64 @@ pub struct Settings {
     pub node_name: String,
 }
 
+/// A setting the manager cannot start with. Each names the flag (or the file's line) and
+/// what it accepts.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("settings file {}: {source}; fix --config", path.display())]
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("settings file {}: line {line}: {message}", path.display())]
+    ParseFile {
+        path: PathBuf,
+        /// From 1; 0 when the parser names no place.
+        line: usize,
+        message: String,
+    },
+    #[error("--core-limit {spec:?}: expected NAMESPACE/POD/CONTAINER=PERCENT")]
+    CoreLimitSyntax { spec: String },
+    #[error("--core-limit {spec:?}: {value:?} is not a percentage")]
+    CoreLimitPercent { spec: String, value: String },
+    #[error("core_limit {key:?} = {percent}: expected \"namespace/pod/container\" = 1..100")]
+    CoreLimitEntry { key: String, percent: u32 },
+    #[error(
+        "domain {domain:?} is not usable: resources are <domain>/vcuda-core, outside kubernetes.io"
+    )]
+    Domain { domain: String },
+    #[error(
+        "--library-baseline {value:?}: expected a glibc version such as 2.17 (MAJOR.MINOR), or off"
+    )]
+    LibraryBaseline { value: String },
+    #[error("--metrics-address {value:?}: {source}; give HOST:PORT such as 0.0.0.0:9395, or off")]
+    MetricsAddress {
+        value: String,
+        source: std::net::AddrParseError,
+    },
+    #[error(
+        "--api {value:?}: expected auto (use the API server when a kubeconfig is found), on or off"
+    )]
+    Api { value: String },
+}
+
+impl SettingsError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SettingsError::ReadFile { .. } => "read-file",
+            SettingsError::ParseFile { .. } => "parse-file",
+            SettingsError::CoreLimitSyntax { .. } => "core-limit-syntax",
+            SettingsError::CoreLimitPercent { .. } => "core-limit-percent",
+            SettingsError::CoreLimitEntry { .. } => "core-limit-entry",
+            SettingsError::Domain { .. } => "domain",
+            SettingsError::LibraryBaseline { .. } => "library-baseline",
+            SettingsError::MetricsAddress { .. } => "metrics-address",
+            SettingsError::Api { .. } => "api",
+        }
+    }
+}
+
 /// Where the control socket sits inside `run_dir` (and, mounted, inside containers).
 pub const SOCKET_NAME: &str = "manager.sock";
 /// The host-only query socket inside `run_dir`.
@@ -191,7 +249,7 @@ pub const QUERY_SOCKET_NAME: &str = "query.sock";
 
 impl Settings {
     /// Flags over the file over defaults.
-    pub fn load(flags: &Flags) -> Result<Settings, String> {
+    pub fn load(flags: &Flags) -> Result<Settings, SettingsError> {
         let file = match &flags.config {
             Some(p) => read_file(p)?,
             None => File::default(),
@@ -208,9 +266,10 @@ impl Settings {
         }
         for (k, v) in &core_limit {
             if k.split('/').count() != 3 || !(1..=100).contains(v) {
-                return Err(format!(
-                    "core_limit {k:?} = {v}: expected \"namespace/pod/container\" = 1..100"
-                ));
+                return Err(SettingsError::CoreLimitEntry {
+                    key: k.clone(),
+                    percent: *v,
+                });
             }
         }
         let domain = flags
@@ -219,9 +278,7 @@ impl Settings {
             .or(file.domain)
             .unwrap_or_else(|| "tencent.com".into());
         if domain.is_empty() || domain.contains('/') || domain.ends_with("kubernetes.io") {
-            return Err(format!(
-                "domain {domain:?} is not usable: resources are <domain>/vcuda-core, outside kubernetes.io"
-            ));
+            return Err(SettingsError::Domain { domain });
         }
         Ok(Settings {
             kubelet_checkpoint: flags
@@ -252,9 +309,9 @@ impl Settings {
                 None => Some(crate::baseline::DEFAULT),
                 Some("off") => None,
                 Some(v) => Some(crate::baseline::parse_version(v).ok_or_else(|| {
-                    format!(
-                        "--library-baseline {v:?}: expected a glibc version such as 2.17 (MAJOR.MINOR), or off"
-                    )
+                    SettingsError::LibraryBaseline {
+                        value: v.to_string(),
+                    }
                 })?),
             },
             nvml_library: flags.nvml_library.clone().or(file.nvml_library),
@@ -285,10 +342,9 @@ impl Settings {
                 .as_deref()
             {
                 Some("off") => None,
-                Some(a) => Some(a.parse().map_err(|e| {
-                    format!(
-                        "--metrics-address {a:?}: {e}; give HOST:PORT such as 0.0.0.0:9395, or off"
-                    )
+                Some(a) => Some(a.parse().map_err(|source| SettingsError::MetricsAddress {
+                    value: a.to_string(),
+                    source,
                 })?),
                 None => Some(std::net::SocketAddr::from(([0, 0, 0, 0], 9395))),
             },
@@ -302,9 +358,9 @@ impl Settings {
                 Some("on") => ApiMode::On,
                 Some("off") => ApiMode::Off,
                 Some(other) => {
-                    return Err(format!(
-                        "--api {other:?}: expected auto (use the API server when a kubeconfig is found), on or off"
-                    ))
+                    return Err(SettingsError::Api {
+                        value: other.to_string(),
+                    })
                 }
             },
             kubeconfig: flags.kubeconfig.clone().or(file.kubeconfig),
@@ -341,30 +397,37 @@ fn pick(flag: &Option<PathBuf>, file: &Option<PathBuf>, default: &str) -> PathBu
         .unwrap_or_else(|| PathBuf::from(default))
 }
 
-fn read_file(p: &Path) -> Result<File, String> {
-    let text =
-        std::fs::read_to_string(p).map_err(|e| format!("settings file {}: {e}", p.display()))?;
+fn read_file(p: &Path) -> Result<File, SettingsError> {
+    let text = std::fs::read_to_string(p).map_err(|source| SettingsError::ReadFile {
+        path: p.to_path_buf(),
+        source,
+    })?;
     toml::from_str(&text).map_err(|e| {
         let line = e
             .span()
             .map_or(0, |s| text[..s.start].matches('\n').count() + 1);
-        format!(
-            "settings file {}: line {line}: {}",
-            p.display(),
-            e.message().trim()
-        )
+        SettingsError::ParseFile {
+            path: p.to_path_buf(),
+            line,
+            message: e.message().trim().to_string(),
+        }
     })
 }
 
 /// `ns/pod/container=80` → ("ns/pod/container", 80).
-pub fn parse_core_limit(spec: &str) -> Result<(String, u32), String> {
-    let (key, pct) = spec.split_once('=').ok_or_else(|| {
-        format!("--core-limit {spec:?}: expected NAMESPACE/POD/CONTAINER=PERCENT")
-    })?;
+pub fn parse_core_limit(spec: &str) -> Result<(String, u32), SettingsError> {
+    let (key, pct) = spec
+        .split_once('=')
+        .ok_or_else(|| SettingsError::CoreLimitSyntax {
+            spec: spec.to_string(),
+        })?;
     let pct: u32 = pct
         .trim()
         .parse()
-        .map_err(|_| format!("--core-limit {spec:?}: {pct:?} is not a percentage"))?;
+        .map_err(|_| SettingsError::CoreLimitPercent {
+            spec: spec.to_string(),
+            value: pct.to_string(),
+        })?;
     Ok((key.trim().to_string(), pct))
 }
 
@@ -449,6 +512,11 @@ mod tests {
         );
         let e = load(&["--library-baseline", "GLIBC_2.34"]).unwrap_err();
         assert!(
+            matches!(&e, SettingsError::LibraryBaseline { value } if value == "GLIBC_2.34"),
+            "{e:?}"
+        );
+        let e = e.to_string();
+        assert!(
             e.contains("--library-baseline") && e.contains("2.17"),
             "{e}"
         );
@@ -487,12 +555,38 @@ mod tests {
         std::fs::write(&f, "domian = \"x\"\n").unwrap();
         let flags = Flags::parse_from(["vcuda-manager", "--config", f.to_str().unwrap()]);
         let e = Settings::load(&flags).unwrap_err();
+        assert!(
+            matches!(&e, SettingsError::ParseFile { line: 1, .. }),
+            "{e:?}"
+        );
+        let e = e.to_string();
         assert!(e.contains("line 1") && e.contains("domian"), "{e}");
         let flags = Flags::parse_from(["vcuda-manager", "--core-limit", "ns/p/c=abc"]);
-        assert!(Settings::load(&flags).unwrap_err().contains("percentage"));
+        let e = Settings::load(&flags).unwrap_err();
+        assert!(
+            matches!(&e, SettingsError::CoreLimitPercent { value, .. } if value == "abc"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("percentage"), "{e}");
+        let flags = Flags::parse_from(["vcuda-manager", "--core-limit", "ns/p/c"]);
+        assert!(matches!(
+            Settings::load(&flags),
+            Err(SettingsError::CoreLimitSyntax { .. })
+        ));
+        let flags = Flags::parse_from(["vcuda-manager", "--core-limit", "ns/p=50"]);
+        assert!(matches!(
+            Settings::load(&flags),
+            Err(SettingsError::CoreLimitEntry { percent: 50, .. })
+        ));
         let flags = Flags::parse_from(["vcuda-manager", "--domain", "kubernetes.io"]);
-        assert!(Settings::load(&flags)
-            .unwrap_err()
-            .contains("kubernetes.io"));
+        let e = Settings::load(&flags).unwrap_err();
+        assert!(matches!(e, SettingsError::Domain { .. }), "{e:?}");
+        assert!(e.to_string().contains("kubernetes.io"), "{e}");
+        let flags = Flags::parse_from(["vcuda-manager", "--config", "/nonexistent/m.toml"]);
+        let e = Settings::load(&flags).unwrap_err();
+        assert!(
+            matches!(&e, SettingsError::ReadFile { path, .. } if path.ends_with("m.toml")),
+            "{e:?}"
+        );
     }
 }
