@@ -21,12 +21,12 @@ pub extern "C" fn vcuda_version() -> *const c_char {
 }
 
 /// -1 as the C API returns it: GPU use is refused, or libvcuda failed.
-const REFUSED: u32 = u32::MAX;
+const REFUSED: c_int = -1;
 
 /// Run a C API body: a panic (a bug in libvcuda) returns -1, the API's documented error,
 /// not the driver APIs' 999 (a count of 999 GPUs).
-fn api(f: impl FnOnce() -> u32) -> c_int {
-    crate::ffi::catch_or(REFUSED, f) as c_int
+fn api(f: impl FnOnce() -> c_int) -> c_int {
+    crate::ffi::catch_or(REFUSED, f)
 }
 
 /// How many GPUs the container is given, or -1 if GPU use is refused (config or region
@@ -34,7 +34,7 @@ fn api(f: impl FnOnce() -> u32) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn vcuda_device_count() -> c_int {
     api(|| match crate::init::vc() {
-        Ok(v) => v.limits.len() as u32,
+        Ok(v) => crate::conv::i32_sat(v.limits.len()),
         Err(_) => REFUSED,
     })
 }
@@ -51,10 +51,10 @@ pub unsafe extern "C" fn vcuda_get_memory(index: c_int, out: *mut VcudaMemory) -
             return REFUSED;
         };
         let Some(dev) = usize::try_from(index).ok().filter(|&d| d < v.limits.len()) else {
-            return (-2i32) as u32;
+            return -2;
         };
         if out.is_null() {
-            return (-2i32) as u32;
+            return -2;
         }
         let (api, hidden) = v.region.mine(v.me(), dev);
         // SAFETY: out is non-NULL and, by the caller's contract, writable.
@@ -79,7 +79,7 @@ mod tests {
     fn a_panic_in_the_c_api_returns_minus_one() {
         assert_eq!(super::api(|| panic!("a bug")), -1);
         assert_eq!(super::api(|| 3), 3);
-        assert_eq!(super::api(|| (-2i32) as u32), -2);
+        assert_eq!(super::api(|| -2), -2);
     }
 
     /// include/vcuda.h is what cbindgen makes of this file now.

@@ -63,7 +63,7 @@ fn driver_used(v: &Vcuda, dev: usize) -> Option<u64> {
     let pid = driver_pid(v);
     let mut buf = vec![nvmlProcessInfo_t::default(); 64];
     for _ in 0..4 {
-        let mut n = buf.len() as c_uint;
+        let mut n = crate::conv::u32_sat(buf.len());
         let rc = match crate::drv::ext().nvmlDeviceGetComputeRunningProcesses_v3 {
             Some(_) => ext!(
                 NVML_ERROR_FUNCTION_NOT_FOUND,

@@ -62,7 +62,7 @@ pub fn catch(f: impl FnOnce() -> u32) -> u32 {
 /// Run a body whose API has its own error value for "something went wrong" (libvcuda's C
 /// API: -1); a panic becomes `on_panic`.
 #[inline(always)]
-pub fn catch_or(on_panic: u32, f: impl FnOnce() -> u32) -> u32 {
+pub fn catch_or<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
     match std::panic::catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(_) => on_panic,

@@ -5,6 +5,7 @@
 
 use std::ffi::c_uint;
 
+use crate::conv::{u32_sat, u64_of, usize_of};
 use crate::ffi::*;
 use crate::init::{cuda, Vcuda};
 
@@ -40,8 +41,8 @@ unsafe fn mem_info_v2(free: *mut usize, total: *mut usize) -> CUresult {
     let (f, t) = unsafe { virtual_info(v, dev, *free as u64, *total as u64) };
     // SAFETY: as above.
     unsafe {
-        *free = f as usize;
-        *total = t as usize;
+        *free = usize_of(f);
+        *total = usize_of(t);
     }
     rc
 }
@@ -63,8 +64,8 @@ unsafe fn mem_info_v1(free: *mut c_uint, total: *mut c_uint) -> CUresult {
     let (f, t) = virtual_info(v, dev, rf as u64, rt as u64);
     // SAFETY: non-NULL outputs the caller passed; the 32-bit API clamps.
     unsafe {
-        *free = f.min(u64::from(u32::MAX)) as c_uint;
-        *total = t.min(u64::from(u32::MAX)) as c_uint;
+        *free = u32_sat(f);
+        *total = u32_sat(t);
     }
     CUDA_SUCCESS
 }
@@ -78,7 +79,7 @@ unsafe fn total_mem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
     if rc == CUDA_SUCCESS && !bytes.is_null() {
         if let Some(d) = v.dev_of_ordinal(dev) {
             // SAFETY: the driver wrote the (non-NULL) output.
-            unsafe { *bytes = (*bytes as u64).min(v.limit(d)) as usize };
+            unsafe { *bytes = usize_of(u64_of(*bytes).min(v.limit(d))) };
         }
     }
     rc
@@ -93,7 +94,7 @@ unsafe fn total_mem_v1(bytes: *mut c_uint, dev: CUdevice) -> CUresult {
     if rc == CUDA_SUCCESS && !bytes.is_null() {
         if let Some(d) = v.dev_of_ordinal(dev) {
             // SAFETY: the driver wrote the (non-NULL) output.
-            unsafe { *bytes = u64::from(*bytes).min(v.limit(d)) as c_uint };
+            unsafe { *bytes = u32_sat(u64::from(*bytes).min(v.limit(d))) };
         }
     }
     rc

@@ -291,8 +291,8 @@ impl Vcuda {
     pub fn me(&self) -> SlotId {
         let p = self.me.load(Relaxed);
         SlotId {
-            index: (p >> 32) as u32,
-            generation: p as u32,
+            index: crate::conv::low32(p >> 32),
+            generation: crate::conv::low32(p),
         }
     }
 
@@ -380,7 +380,7 @@ impl Vcuda {
     pub fn current_dev(&self) -> Option<usize> {
         let s = self.single.load(Relaxed);
         if s != u64::MAX {
-            return Some(s as usize);
+            return Some(crate::conv::usize_of(s));
         }
         self.dev_of_ordinal(crate::drv::ctx_ordinal()?)
     }
@@ -388,10 +388,10 @@ impl Vcuda {
     /// The CUDA ordinal of config GPU `dev`, if the driver shows it.
     pub fn ordinal_of(&self, dev: usize) -> Option<CUdevice> {
         match self.visible.get() {
-            None => Some(dev as CUdevice),
+            None => CUdevice::try_from(dev).ok(),
             Some(vis) => (0..vis.len)
                 .find(|&o| usize::from(vis.map[o].load(Relaxed)) == dev)
-                .map(|o| o as CUdevice),
+                .and_then(|o| CUdevice::try_from(o).ok()),
         }
     }
 

@@ -17,9 +17,19 @@
 //! - [`register`]: each process introduces itself to the manager over the control socket,
 //!   on a thread of its own, retrying with back-off.
 //! - [`capi`]: `vcuda_*`, the library's own C API (`include/vcuda.h`, cbindgen).
+//! - [`conv`]: the integer conversions at the C boundary (the crate denies clippy's cast
+//!   lints; these are the only casts that may lose anything, each named).
 
 #![allow(non_snake_case)]
 #![deny(unsafe_op_in_unsafe_fn)]
+// Values cross the C boundary on almost every line: no `as` may truncate, wrap or drop a
+// sign silently (`conv` holds the conversions, each total and named).
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    clippy::cast_lossless
+)]
 
 /// Declare hooks. Each `Lib fn name(args) -> Ret => path::to::impl;` becomes
 /// - `#[no_mangle] pub unsafe extern "C" fn name(args) -> Ret`, calling `impl(args)` under
@@ -142,6 +152,7 @@ macro_rules! ext {
 
 pub mod capi;
 pub mod context;
+pub mod conv;
 pub mod dlsym;
 pub mod drv;
 pub mod ffi;

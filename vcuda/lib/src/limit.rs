@@ -42,6 +42,7 @@ use parking_lot::Mutex;
 use vcuda_contract::config::MAX_GPUS;
 use vcuda_limiter as lim;
 
+use crate::conv::{f64_to_i64, f64_to_u64, signed, u64_clamped, unsigned};
 use crate::ffi::*;
 use crate::init::{cuda, Vcuda};
 use crate::log::{log, DEBUG, INFO, WARN};
@@ -158,7 +159,7 @@ impl Limiter {
             b.rate.store(share.min(lim::PPM), Relaxed);
             if share < lim::PPM {
                 for c in &b.cost {
-                    c.store(lim::INITIAL_COST_NS as u64, Relaxed);
+                    c.store(f64_to_u64(lim::INITIAL_COST_NS), Relaxed);
                 }
             }
         }
@@ -192,14 +193,14 @@ fn mono_ns() -> u64 {
     };
     // SAFETY: ts is a valid out-pointer for the duration of the call.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    unsigned(ts.tv_sec) * 1_000_000_000 + unsigned(ts.tv_nsec)
 }
 
 /// Wall clock, µs (NVML stamps its samples with it).
 fn wall_us() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// What the slow path asks the wrapper to do after the real launch.
@@ -240,7 +241,7 @@ fn admit_on(
     if cost == 0 {
         return Ticket::Go;
     }
-    if b.tokens.fetch_sub(cost as i64, Relaxed) > 0 {
+    if b.tokens.fetch_sub(signed(cost), Relaxed) > 0 {
         return Ticket::Go;
     }
     let stream = if ptsz && stream.is_null() {
@@ -278,7 +279,7 @@ fn forfeit_excess(b: &Bucket) -> i64 {
     if cut > 0 {
         let _ = b
             .refilled
-            .fetch_update(Relaxed, Relaxed, |r| Some(r.saturating_sub(cut as u64)));
+            .fetch_update(Relaxed, Relaxed, |r| Some(r.saturating_sub(unsigned(cut))));
     }
     cut.max(0)
 }
@@ -306,7 +307,7 @@ fn refill(b: &Bucket, now: u64) {
         added = a;
         (a > 0).then_some(n)
     });
-    b.refilled.fetch_add(added as u64, Relaxed);
+    b.refilled.fetch_add(unsigned(added), Relaxed);
 }
 
 #[cold]
@@ -317,7 +318,7 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
     let mut capturing: u32 = 0;
     if ext!(MISSING, cuStreamIsCapturing(stream, &mut capturing)) == CUDA_SUCCESS && capturing != 0
     {
-        b.tokens.fetch_add(cost as i64, Relaxed);
+        b.tokens.fetch_add(signed(cost), Relaxed);
         return Ticket::Go;
     }
     if probe {
@@ -325,7 +326,7 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
             return t;
         }
     }
-    b.waiting.fetch_add(cost as i64, Relaxed);
+    b.waiting.fetch_add(signed(cost), Relaxed);
     let entered = mono_ns();
     let mut waited = false;
     // Markers the GPU reached are charged first (what ran unpaid is owed before this launch
@@ -347,13 +348,13 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
             break now; // exclusive now
         }
         if cur != cost {
-            b.tokens.fetch_add(cost as i64 - cur as i64, Relaxed);
-            b.waiting.fetch_add(cur as i64 - cost as i64, Relaxed);
+            b.tokens.fetch_add(signed(cost) - signed(cur), Relaxed);
+            b.waiting.fetch_add(signed(cur) - signed(cost), Relaxed);
             cost = cur;
             forfeit_excess(b);
         }
         refill(b, now);
-        let bal = b.tokens.load(Relaxed) + cost as i64;
+        let bal = b.tokens.load(Relaxed) + signed(cost);
         if bal > 0 {
             break now;
         }
@@ -378,7 +379,7 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
     if let (Some(ctx), true) = (ctx, slept) {
         open_marker(v, dev, ctx, class, stream);
     }
-    b.waiting.fetch_sub(cost as i64, Relaxed);
+    b.waiting.fetch_sub(signed(cost), Relaxed);
     if slept {
         // The time actually slept (oversleeping included), from the readings the loop took
         // anyway: its first one and the one it left on. No extra clock read.
@@ -394,7 +395,7 @@ fn start_probe(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream)
     let free = match probes[dev][class] {
         Probe::Idle => {
             probes[dev][class] = Probe::Armed { free: 1 };
-            v.limiter.gpus[dev].tokens.fetch_add(cost as i64, Relaxed);
+            v.limiter.gpus[dev].tokens.fetch_add(signed(cost), Relaxed);
             return Some(Ticket::Go);
         }
         Probe::Armed { free } => free,
@@ -422,14 +423,14 @@ fn start_probe(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream)
         free: free + 1,
     };
     // The probed launch is admitted now and charged what it measures once it has run.
-    v.limiter.gpus[dev].tokens.fetch_add(cost as i64, Relaxed);
+    v.limiter.gpus[dev].tokens.fetch_add(signed(cost), Relaxed);
     Some(Ticket::Probe { dev, class, stream })
 }
 
 /// Charge `n` launches admitted free at `cost` each.
 fn charge(b: &Bucket, n: u32, cost: u64) {
     b.tokens
-        .fetch_sub(i64::from(n).saturating_mul(cost as i64), Relaxed);
+        .fetch_sub(i64::from(n).saturating_mul(signed(cost)), Relaxed);
 }
 
 fn destroy_events(a: CUevent, b: CUevent) {
@@ -501,7 +502,7 @@ fn check_probes(v: &Vcuda, dev: usize) -> bool {
                 cuEventElapsedTime(&mut ms, start as CUevent, end as CUevent)
             ) == CUDA_SUCCESS
         {
-            let ns = (f64::from(ms) * 1e6).clamp(lim::MIN_COST_NS, lim::MAX_COST_NS) as u64;
+            let ns = f64_to_u64((f64::from(ms) * 1e6).clamp(lim::MIN_COST_NS, lim::MAX_COST_NS));
             if b.cost[class].load(Relaxed) != 0 {
                 b.cost[class].store(ns, Relaxed);
             }
@@ -808,7 +809,7 @@ fn current_ctx() -> Option<usize> {
 fn act_on(v: &Vcuda, dev: usize, r: &Reached) {
     let b = &v.limiter.gpus[dev];
     if r.debt_ns > 0.0 {
-        let d = r.debt_ns as i64;
+        let d = f64_to_i64(r.debt_ns);
         b.tokens.fetch_sub(d, Relaxed);
         b.debts.fetch_add(d, Relaxed);
         log!(
@@ -827,7 +828,7 @@ fn act_on(v: &Vcuda, dev: usize, r: &Reached) {
     if cur == 0 {
         return; // exclusive
     }
-    let new = (new as u64).max(lim::MIN_COST_NS as u64);
+    let new = f64_to_u64(new).max(f64_to_u64(lim::MIN_COST_NS));
     b.cost[KERNEL].store(new, Relaxed);
     let cut = forfeit_excess(b);
     v.limiter.probed[dev][KERNEL].store(new, Relaxed);
@@ -1153,15 +1154,17 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
             s.launched_at[dev].store(now, Relaxed);
         }
     }
-    let active = slots
-        .iter()
-        .take(v.region.header().slots_used.load(Relaxed) as usize)
-        .filter(|s| {
-            let t = s.launched_at[dev].load(Relaxed);
-            t != 0 && now.saturating_sub(t) < ACTIVE_NS
-        })
-        .count()
-        .max(1) as u32;
+    let active = crate::conv::u32_sat(
+        slots
+            .iter()
+            .take(v.region.header().slots_used.load(Relaxed) as usize)
+            .filter(|s| {
+                let t = s.launched_at[dev].load(Relaxed);
+                t != 0 && now.saturating_sub(t) < ACTIVE_NS
+            })
+            .count()
+            .max(1),
+    );
 
     // Exclusive: no throttling at all.
     if share >= lim::PPM {
@@ -1236,15 +1239,17 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
     if new != old {
         c.graph_cost = (c.graph_cost * new / old).clamp(lim::MIN_COST_NS, lim::MAX_COST_NS);
     }
-    b.cost[KERNEL].store(new as u64, Relaxed);
-    b.cost[GRAPH].store(c.graph_cost as u64, Relaxed);
+    b.cost[KERNEL].store(f64_to_u64(new), Relaxed);
+    b.cost[GRAPH].store(f64_to_u64(c.graph_cost), Relaxed);
     forfeit_excess(b);
 
     // The rate: the share, or for an elastic container something between share and limit.
     let waits = b.waits.load(Relaxed);
     if let Some((others, _)) = newest {
-        b.others
-            .store((others.clamp(0.0, 1.0) * lim::PPM as f64) as u64, Relaxed);
+        b.others.store(
+            f64_to_u64(others.clamp(0.0, 1.0) * lim::PPM as f64),
+            Relaxed,
+        );
         b.sampled.store(true, Relaxed);
     }
     let rate = if limit_p > share_p {
@@ -1269,7 +1274,7 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
 
 /// What launches paid of `paid` (a bucket's [`paid_total`]), the ledger's debts left out.
 fn launches_paid(paid: u64, charged: i64) -> u64 {
-    (i128::from(paid) - i128::from(charged)).clamp(0, i128::from(u64::MAX)) as u64
+    u64_clamped(i128::from(paid) - i128::from(charged))
 }
 
 /// The ledger's settlement after a sample: charge the bucket what NVML measured running
@@ -1309,7 +1314,7 @@ fn paid_total(b: &Bucket) -> u64 {
     let p = i128::from(b.refilled.load(Relaxed))
         - i128::from(b.tokens.load(Relaxed))
         - i128::from(b.waiting.load(Relaxed));
-    p.clamp(0, i128::from(u64::MAX)) as u64
+    u64_clamped(p)
 }
 
 /// The sample period from the device's utilization samples, which NVML keeps for every
@@ -1321,7 +1326,7 @@ fn paid_total(b: &Bucket) -> u64 {
 /// buffer); [`lim::samples::Sampler::device_samples`] decides.
 fn learn_period(handle: usize, c: &mut GpuCtl, since_us: u64) {
     let mut buf = [nvmlSample_t::default(); 64];
-    let mut n = buf.len() as c_uint;
+    let mut n = crate::conv::u32_sat(buf.len());
     let mut kind: u32 = 0;
     let rc = ext!(
         NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -1355,7 +1360,7 @@ fn read_samples(
     buf: &mut [nvmlProcessUtilizationSample_t],
 ) -> Option<(f64, f64)> {
     let handle = crate::nvml::real_handle(v, dev)?;
-    let mut n = buf.len() as c_uint;
+    let mut n = crate::conv::u32_sat(buf.len());
     let rc = ext!(
         NVML_ERROR_FUNCTION_NOT_FOUND,
         nvmlDeviceGetProcessUtilization(

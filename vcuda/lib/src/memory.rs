@@ -8,6 +8,7 @@
 
 use std::ffi::{c_uint, c_void};
 
+use crate::conv::{dev_u8, u32_sat, usize_of};
 use crate::ffi::*;
 use crate::init::{cuda, Vcuda};
 use crate::quota::{self, check, code, counted, true_up, Abi, Books, Driver, R};
@@ -115,7 +116,7 @@ impl Driver for RealDriver {
         match abi {
             Abi::V2 => {
                 let mut p: CUdeviceptr = 0;
-                check(forward!(MISSING, cuMemAlloc_v2(&mut p, bytes as usize)))?;
+                check(forward!(MISSING, cuMemAlloc_v2(&mut p, usize_of(bytes))))?;
                 Ok(p)
             }
             Abi::V1 => {
@@ -130,7 +131,7 @@ impl Driver for RealDriver {
         let mut p: CUdeviceptr = 0;
         check(forward!(
             MISSING,
-            cuMemAllocManaged(&mut p, bytes as usize, flags)
+            cuMemAllocManaged(&mut p, usize_of(bytes), flags)
         ))?;
         Ok(p)
     }
@@ -141,7 +142,7 @@ impl Driver for RealDriver {
                 let (mut p, mut pitch): (CUdeviceptr, usize) = (0, 0);
                 check(forward!(
                     MISSING,
-                    cuMemAllocPitch_v2(&mut p, &mut pitch, width as usize, height as usize, elem)
+                    cuMemAllocPitch_v2(&mut p, &mut pitch, usize_of(width), usize_of(height), elem)
                 ))?;
                 Ok((p, pitch as u64))
             }
@@ -161,7 +162,7 @@ impl Driver for RealDriver {
     fn free(&self, abi: Abi, ptr: u64) -> R<()> {
         check(match abi {
             Abi::V2 => forward!(MISSING, cuMemFree_v2(ptr)),
-            Abi::V1 => forward!(MISSING, cuMemFree(ptr as CUdeviceptr_v1)),
+            Abi::V1 => forward!(MISSING, cuMemFree(v1(ptr)?)),
         })
     }
 }
@@ -211,7 +212,7 @@ unsafe fn alloc_v1(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult {
     code(
         quota::alloc(&RealDriver, v, Abi::V1, u64::from(bytesize)).map(|p| {
             // SAFETY: checked non-NULL above; a 32-bit entry point's pointer fits its type.
-            unsafe { put(dptr, p as CUdeviceptr_v1) }
+            unsafe { put(dptr, u32_sat(p)) }
         }),
     )
 }
@@ -248,7 +249,7 @@ unsafe fn pitch_v2(
         // SAFETY: both checked non-NULL above.
         unsafe {
             put(dptr, p);
-            put(pitch, row as usize);
+            put(pitch, usize_of(row));
         }
     }))
 }
@@ -269,8 +270,8 @@ unsafe fn pitch_v1(
         quota::alloc_pitch(&RealDriver, v, Abi::V1, w, h, elem).map(|(p, row)| {
             // SAFETY: both checked non-NULL above; a 32-bit entry point's values fit.
             unsafe {
-                put(dptr, p as CUdeviceptr_v1);
-                put(pitch, row as c_uint);
+                put(dptr, u32_sat(p));
+                put(pitch, u32_sat(row));
             }
         }),
     )
@@ -729,7 +730,7 @@ fn async_common(
             unsafe { *dptr },
             Rec {
                 size: size as u64,
-                dev: dev as u8,
+                dev: dev_u8(dev),
                 kind: Kind::Pool,
             },
         );

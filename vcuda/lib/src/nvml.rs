@@ -22,6 +22,7 @@ use std::sync::OnceLock;
 use vcuda_contract::config::MAX_GPUS;
 use vcuda_contract::region::SlotView;
 
+use crate::conv::u32_sat;
 use crate::ffi::*;
 use crate::init::{nvml, Vcuda};
 
@@ -228,7 +229,7 @@ fn count_after(v: &Vcuda, rc: nvmlReturn_t, out: *mut c_uint) -> nvmlReturn_t {
         Err(e) => return e,
     };
     // SAFETY: non-NULL, and the real function just wrote it.
-    unsafe { *out = gpus.count() as c_uint };
+    unsafe { *out = u32_sat(gpus.count()) };
     NVML_SUCCESS
 }
 
@@ -347,7 +348,7 @@ unsafe fn get_index(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t {
     match container_gpus(v).map(|g| g.position(device)) {
         Ok(Some((i, _))) => {
             // SAFETY: non-NULL output the caller passed.
-            unsafe { *index = i as c_uint };
+            unsafe { *index = u32_sat(i) };
             NVML_SUCCESS
         }
         Ok(None) => NVML_ERROR_INVALID_ARGUMENT,
@@ -513,7 +514,7 @@ type ProcFn<T> = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint, *mut T) -> nvml
 fn read_real<T: ProcEntry>(f: ProcFn<T>, device: nvmlDevice_t) -> Result<Vec<T>, nvmlReturn_t> {
     let mut buf = vec![T::default(); 32];
     for _ in 0..8 {
-        let mut n = buf.len() as c_uint;
+        let mut n = u32_sat(buf.len());
         // SAFETY: `buf` has room for `n` entries of the type the real function writes.
         let rc = unsafe { f(device, &mut n, buf.as_mut_ptr()) };
         match rc {
@@ -566,12 +567,12 @@ unsafe fn processes<T: ProcEntry>(
                 unsafe { std::ptr::copy_nonoverlapping(list.as_ptr(), infos, n) };
             }
             // SAFETY: non-NULL, as above.
-            unsafe { *info_count = n as c_uint };
+            unsafe { *info_count = u32_sat(n) };
             NVML_SUCCESS
         }
         Fill::TooSmall(n) => {
             // SAFETY: non-NULL, as above.
-            unsafe { *info_count = n as c_uint };
+            unsafe { *info_count = u32_sat(n) };
             NVML_ERROR_INSUFFICIENT_SIZE
         }
         Fill::Invalid => NVML_ERROR_INVALID_ARGUMENT,

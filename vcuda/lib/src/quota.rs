@@ -113,7 +113,7 @@ fn reserved_rec(size: u64, dev: usize) -> Rec {
     Rec {
         size,
         // config indices are below contract::MAX_GPUS (16), so this is lossless
-        dev: dev as u8,
+        dev: crate::conv::dev_u8(dev),
         kind: Kind::Reserved,
     }
 }

@@ -295,7 +295,8 @@ mod tests {
                         t.insert(k, rec(i, (th % 8) as u8));
                         live.push((k, i));
                         if live.len() > 300 {
-                            let (k, s) = live.swap_remove((i as usize * 7) % live.len());
+                            let (k, s) =
+                                live.swap_remove((crate::conv::usize_of(i) * 7) % live.len());
                             assert_eq!(t.remove(k), Some(rec(s, (th % 8) as u8)));
                         }
                     }
