@@ -41,9 +41,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpusim" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "vcuda"))
+sys.path.insert(0, str(ROOT / "tests" / "manager"))
 sys.path.insert(0, str(ROOT / "tests" / "scheduler"))
 
-from conftest import GPUSIM, LIB, VCUDA_LIB, Sim  # noqa: E402
+from gpusim_harness import GPUSIM, LIB, VCUDA_LIB, Sim  # noqa: E402
 from node_common import CORE, KUBELET_SIM, MANAGER, MEMORY, Node, wait_for  # noqa: E402
 import extender_tls  # noqa: E402
 

@@ -12,9 +12,11 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests" / "gpusim" / "e2e"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests" / "vcuda"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests" / "manager"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from conftest import cc, gpusim_built  # noqa: E402,F401  (fixtures)
+from gpusim_harness import cc, gpusim_built  # noqa: E402,F401  (fixtures)
 from node_common import bins  # noqa: E402,F401
 from test_real_containers import ROOT, engine_ready  # noqa: E402,F401
 

@@ -30,9 +30,11 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpusim" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "vcuda"))
+sys.path.insert(0, str(ROOT / "tests" / "manager"))
 sys.path.insert(0, str(ROOT / "tests" / "containers"))
 
-from conftest import GPUSIM, LIB, VCUDA_LIB, Sim, cc, gpusim_built  # noqa: E402,F401  (fixtures)
+from gpusim_harness import GPUSIM, LIB, VCUDA_LIB, Sim, cc, gpusim_built  # noqa: E402,F401  (fixtures)
 from node_common import Node, bins, wait_for  # noqa: E402,F401
 import runtime  # noqa: E402
 from test_real_containers import IMAGE, engine_ready, fill_registered, held_mib, tools  # noqa: E402,F401

@@ -24,9 +24,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpusim" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "vcuda"))
+sys.path.insert(0, str(ROOT / "tests" / "manager"))
 sys.path.insert(0, str(ROOT / "tests" / "containers"))
 
-from conftest import Sim, cuda_include_dir, gpusim_built  # noqa: E402,F401
+from gpusim_harness import Sim, cuda_include_dir, gpusim_built  # noqa: E402,F401
 from node_common import Node  # noqa: E402
 import runtime  # noqa: E402
 from test_real_containers import engine_ready, fill_registered, held_mib, pynvml_file  # noqa: E402,F401
@@ -51,6 +53,7 @@ def old(engine_ready, tmp_path):
     engine = runtime.Engine(sim, image=OLD, driver_lib=PORTABLE_GPUSIM, mounts=[
         (cuda_include_dir(), "/opt/cuda/include"),
         (ROOT / "tests" / "gpusim" / "e2e" / "c", "/opt/src/c"),
+        (ROOT / "tests" / "vcuda" / "c", "/opt/src/vc"),
         (ROOT / "tests" / "demo" / "fill.c", "/opt/src/fill.c"),
         (pynvml_file(), "/opt/python/pynvml.py"),
     ])
@@ -85,7 +88,7 @@ def test_every_process_of_an_old_image_starts_with_the_library_and_is_held(old):
     # The C programs are built inside the old root, by its own gcc (itself preloaded).
     build = ("gcc -std=gnu11 -O1 -I/opt/cuda/include -I/opt/src/c {src} -o {out} "
              "-L/usr/local/gpusim/lib -lcuda -lm")
-    for src, out in (("/opt/src/fill.c", "/tmp/fill"), ("/opt/src/c/vcuda_load.c", "/tmp/load")):
+    for src, out in (("/opt/src/fill.c", "/tmp/fill"), ("/opt/src/vc/vcuda_load.c", "/tmp/load")):
         r = c.sh(build.format(src=src, out=out))
         assert r.returncode == 0, f"gcc in the old root: {r.stderr}"
 

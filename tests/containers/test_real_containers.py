@@ -26,9 +26,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpusim" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests" / "vcuda"))
+sys.path.insert(0, str(ROOT / "tests" / "manager"))
 sys.path.insert(0, str(ROOT / "tests" / "containers"))
 
-from conftest import Sim, cc, gpusim_built  # noqa: E402,F401  (fixtures)
+from gpusim_harness import Sim, cc, gpusim_built  # noqa: E402,F401  (fixtures)
 from node_common import Node, bins, holding, wait_for  # noqa: E402,F401  (bins: a fixture)
 from vcuda_common import HEADER_OFFSETS  # noqa: E402
 import runtime  # noqa: E402

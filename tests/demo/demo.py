@@ -27,8 +27,10 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "gpusim" / "e2e"))
+sys.path.insert(0, str(HERE.parent / "vcuda"))
+sys.path.insert(0, str(HERE.parent / "manager"))
 
-from conftest import Sim  # noqa: E402
+from gpusim_harness import Sim  # noqa: E402
 from node_common import CORE, MEMORY, RELEASE, Node  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent / "containers"))

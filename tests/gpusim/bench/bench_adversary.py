@@ -28,8 +28,10 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "e2e"))
+sys.path.insert(0, str(HERE.parents[1] / "vcuda"))
+sys.path.insert(0, str(HERE.parents[1] / "manager"))
 
-from conftest import LIB, VCUDA_LIB, cuda_include_dir  # noqa: E402
+from gpusim_harness import LIB, VCUDA_LIB, cuda_include_dir  # noqa: E402
 from limit_common import ELASTIC, Machine, elastic_run  # noqa: E402
 
 SHARES = [10, 20, 50]
@@ -62,7 +64,7 @@ AVG_SPAN = 10.0  # s from the first launch
 
 def compile_adversary(out):
     cmd = ["gcc", "-std=gnu11", "-O1", "-Wno-deprecated-declarations", f"-I{cuda_include_dir()}",
-           str(HERE.parent / "e2e" / "c" / "vcuda_adversary.c"), "-o", str(out), f"-L{LIB}", "-lcuda", "-pthread"]
+           str(HERE.parents[1] / "vcuda" / "c" / "vcuda_adversary.c"), f"-I{HERE.parent / 'e2e' / 'c'}", "-o", str(out), f"-L{LIB}", "-lcuda", "-pthread"]
     subprocess.run(cmd, check=True)
     return out
 

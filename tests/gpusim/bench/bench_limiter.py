@@ -16,8 +16,10 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "e2e"))
+sys.path.insert(0, str(HERE.parents[1] / "vcuda"))
+sys.path.insert(0, str(HERE.parents[1] / "manager"))
 
-from conftest import LIB, cuda_include_dir, nvml_include_dir  # noqa: E402
+from gpusim_harness import LIB, cuda_include_dir, nvml_include_dir  # noqa: E402
 from limit_common import KERNELS, Machine, set_share  # noqa: E402
 
 SHARES = [5, 10, 25, 50, 75, 90]
@@ -26,7 +28,7 @@ TOL = 0.02
 
 def compile_load(out):
     cmd = ["gcc", "-std=gnu11", "-O1", "-Wno-deprecated-declarations", f"-I{cuda_include_dir()}", f"-I{nvml_include_dir()}",
-           str(HERE.parent / "e2e" / "c" / "vcuda_load.c"), "-o", str(out), f"-L{LIB}", "-lcuda"]
+           str(HERE.parents[1] / "vcuda" / "c" / "vcuda_load.c"), f"-I{HERE.parent / 'e2e' / 'c'}", "-o", str(out), f"-L{LIB}", "-lcuda"]
     subprocess.run(cmd, check=True)
     return out
 

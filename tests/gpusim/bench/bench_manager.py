@@ -32,8 +32,10 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "e2e"))
+sys.path.insert(0, str(HERE.parents[1] / "vcuda"))
+sys.path.insert(0, str(HERE.parents[1] / "manager"))
 
-from conftest import Sim  # noqa: E402
+from gpusim_harness import Sim  # noqa: E402
 from limit_common import gpus_config  # noqa: E402
 from node_common import CORE, Node  # noqa: E402
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import HERE, LIB
+from gpusim_harness import HERE, LIB
 
 C = HERE / "c"
 

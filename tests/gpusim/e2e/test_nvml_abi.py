@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from conftest import LIB, nvml_include_dir
+from gpusim_harness import LIB, nvml_include_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 SRC = ROOT / "tests" / "gpusim" / "nvml" / "src"

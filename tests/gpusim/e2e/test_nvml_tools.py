@@ -6,7 +6,7 @@ import pathlib
 import re
 import sys
 
-from conftest import LIB
+from gpusim_harness import LIB
 
 HERE = pathlib.Path(__file__).resolve().parent
 

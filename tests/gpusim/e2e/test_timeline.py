@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import HERE, LIB
+from gpusim_harness import HERE, LIB
 
 C = HERE / "c"
 

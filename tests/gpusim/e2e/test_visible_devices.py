@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import HERE, LIB
+from gpusim_harness import HERE, LIB
 
 C = HERE / "c"
 

@@ -20,7 +20,7 @@ import tomllib
 
 import pytest
 
-from conftest import LIB, ROOT, VCUDA_LIB
+from gpusim_harness import LIB, ROOT, VCUDA_LIB
 
 RELEASE = ROOT / "target" / "release"
 # VCUDA_MANAGER_BIN / KUBELET_SIM_BIN run binaries built elsewhere (e.g. another CARGO_TARGET_DIR).

@@ -5,9 +5,12 @@ the container's region file, and gpusim's memory accounting written out as arith
 import struct
 import subprocess
 
-from conftest import HERE, LIB
+import pathlib
 
-C = HERE / "c"
+from gpusim_harness import C_COMMON, LIB
+
+# The library's test programs (they include gpusim_harness.C_COMMON's common.h).
+C = pathlib.Path(__file__).resolve().parent / "c"
 MiB = 1 << 20
 KiB = 1 << 10
 
@@ -30,8 +33,13 @@ def round_up(n, granule):
 
 
 def build(cc, out, name, *extra, link_cuda=True):
+    """Compile program `name`: the library's (c/) or gpusim's own (gpusim_harness.C_COMMON,
+    e.g. cuda_workload.c), into directory `out`."""
     args = ["-L", str(LIB), "-lcuda"] if link_cuda else []
-    return cc(C / f"{name}.c", out / name, *args, *extra)
+    src = C / f"{name}.c"
+    if not src.exists():
+        src = C_COMMON / f"{name}.c"
+    return cc(src, out / name, *args, *extra)
 
 
 class Shell:

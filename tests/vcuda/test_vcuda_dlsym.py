@@ -8,7 +8,7 @@ CUDA_ERROR_OUT_OF_MEMORY. Lookups that are not ours behave as without libvcuda."
 
 import pytest
 
-from conftest import VCUDA_LIB
+from gpusim_harness import VCUDA_LIB
 from vcuda_common import C, CUDA_ERROR_OUT_OF_MEMORY as OOM, build
 
 QUOTA_MIB = 1024

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import Container
+from gpusim_harness import Container
 from limit_common import Machine, build_load
 from vcuda_common import (
     ARRAY_GRANULE,

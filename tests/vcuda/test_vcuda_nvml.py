@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from conftest import HERE, LIB
+from gpusim_harness import C_COMMON, LIB, ROOT
 
-C = HERE / "c"
-VENV_BIN = HERE.parents[2] / ".venv" / "bin"
+C = C_COMMON  # gpusim's cuda_workload.c
+VENV_BIN = ROOT / ".venv" / "bin"
 QUOTA_MIB = 2048
 MiB = 1 << 20
 

@@ -54,7 +54,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SRC = ROOT / "vcuda" / "lib" / "src"
 FFI = SRC / "ffi.rs"
 LIBVCUDA = ROOT / "target" / "release" / "libvcuda.so"

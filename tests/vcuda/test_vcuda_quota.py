@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from conftest import GPUSIM, LIB, ROOT
+from gpusim_harness import GPUSIM, LIB, ROOT
 
 from vcuda_common import (
     ALLOC_GRANULE,

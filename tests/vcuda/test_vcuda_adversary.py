@@ -31,7 +31,8 @@ import subprocess
 
 import pytest
 
-from conftest import LIB, ROOT, VCUDA_LIB, cuda_include_dir
+from gpusim_harness import C_COMMON, LIB, VCUDA_LIB, cuda_include_dir
+from vcuda_common import C
 from limit_common import ELASTIC, Machine, elastic_run
 
 SHARE = 20
@@ -44,7 +45,7 @@ SECONDS = 11
 def adversary(tmp_path_factory):
     out = tmp_path_factory.mktemp("adversary") / "vcuda_adversary"
     cmd = ["gcc", "-std=gnu11", "-O1", "-Wno-deprecated-declarations", f"-I{cuda_include_dir()}",
-           str(ROOT / "tests" / "gpusim" / "e2e" / "c" / "vcuda_adversary.c"), "-o", str(out),
+           str(C / "vcuda_adversary.c"), f"-I{C_COMMON}", "-o", str(out),
            f"-L{LIB}", "-lcuda", "-pthread"]
     subprocess.run(cmd, check=True)
     return out

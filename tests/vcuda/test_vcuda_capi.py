@@ -1,12 +1,13 @@
 """libvcuda's own C API (include/vcuda.h), called from a C program inside a container."""
 
-from conftest import HERE, LIB, ROOT
+from gpusim_harness import LIB, ROOT
+from vcuda_common import C
 
 MiB = 1 << 20
 
 
 def test_the_c_api_reports_quota_and_usage(sim, cc, tmp_path):
-    prog = cc(HERE / "c" / "vcuda_capi.c", tmp_path / "capi", f"-I{ROOT / 'include'}", "-L", LIB, "-lcuda", "-ldl")
+    prog = cc(C / "vcuda_capi.c", tmp_path / "capi", f"-I{ROOT / 'include'}", "-L", LIB, "-lcuda", "-ldl")
     c = sim.container(2048)
     r = dict(line.split("=", 1) for line in c.run([prog]).stdout.split())
     assert r["preloaded"] == "1"

@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 
-from conftest import GPUSIM, Sim
+from gpusim_harness import GPUSIM, Sim
 from vcuda_common import build
 
 # Kernels of known duration in gpusim's cost model (c/common.h's PTX), in seconds.

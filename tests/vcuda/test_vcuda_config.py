@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import LIB, VCUDA_LIB
+from gpusim_harness import LIB, VCUDA_LIB
 from vcuda_common import (
     CONTEXT,
     CUDA_ERROR_NOT_PERMITTED,

@@ -64,7 +64,10 @@ import sys
 import time
 from collections import Counter
 
-from conftest import Sim, cuda_include_dir, nvml_include_dir
+# run as a script (scripts/bench-kill-storm), gpusim's harness is not on the path yet
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "gpusim" / "e2e"))
+
+from gpusim_harness import C_COMMON, Sim, cuda_include_dir, nvml_include_dir  # noqa: E402
 from vcuda_common import (
     CONTEXT,
     CUDA_ERROR_OUT_OF_MEMORY,
@@ -112,14 +115,14 @@ def headroom_cap(quota_mib, procs):
 
 
 def build_programs(cc, out):
-    """vcuda_churn and vcuda_shell, built into `out` with `cc` (conftest's fixture, or gcc)."""
+    """vcuda_churn and vcuda_shell, built into `out` with `cc` (gpusim_harness's fixture, or gcc)."""
     return {"churn": build(cc, out, "vcuda_churn", "-pthread"), "shell": build(cc, out, "vcuda_shell")}
 
 
 def gcc(src, out, *extra):
-    """conftest's `cc` fixture, for use outside pytest."""
+    """gpusim_harness's `cc` fixture, for use outside pytest."""
     cmd = ["gcc", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-Wno-deprecated-declarations", "-O1", "-g",
-           f"-I{cuda_include_dir()}", f"-I{nvml_include_dir()}", str(src), "-o", str(out), *extra]
+           f"-I{cuda_include_dir()}", f"-I{nvml_include_dir()}", f"-I{C_COMMON}", str(src), "-o", str(out), *extra]
     subprocess.run(cmd, check=True)
     return out
 
@@ -468,7 +471,7 @@ def fresh_fill(container, shell, quotas_mib, region, deadline):
 
 
 def run(sim, container, programs, work, *, uuids, quotas_mib, procs, seconds, variant, seed=1, cap_mib=0):
-    """One storm against `container` (a conftest Container, or node_common's under the
+    """One storm against `container` (a gpusim_harness Container, or node_common's under the
     manager) whose GPUs are `uuids` with `quotas_mib`; returns its Result."""
     work.mkdir(parents=True, exist_ok=True)
     r = Result(variant, procs, list(quotas_mib), cap_mib, live_max=[0] * len(uuids))
