@@ -8,10 +8,10 @@
 
 use std::ffi::{c_uint, c_void};
 
-use crate::conv::{dev_u8, u32_sat, usize_of};
+use crate::conv::{dev_u8, u32_sat, u64_of, usize_of};
 use crate::ffi::*;
 use crate::init::{cuda, Vcuda};
-use crate::quota::{self, check, code, counted, true_up, Abi, Books, Driver, R};
+use crate::quota::{self, check, code, counted, Abi, ArrayKind, Books, Driver, R};
 use crate::table::{Kind, Rec};
 
 pub use crate::quota::ALLOC_GRANULE;
@@ -99,6 +99,9 @@ impl Books for Vcuda {
     fn remove(&self, ptr: u64) -> Option<Rec> {
         self.allocs.remove(ptr)
     }
+    fn ordinal_of(&self, dev: usize) -> CUdevice {
+        Vcuda::ordinal_of(self, dev).unwrap_or(0)
+    }
 }
 
 /// The real driver: each call forwards to the real library (zero-sized, so the generic
@@ -156,6 +159,30 @@ impl Driver for RealDriver {
                 Ok((u64::from(p), u64::from(pitch)))
             }
         }
+    }
+
+    fn array_size(&self, kind: ArrayKind, arr: usize, ordinal: CUdevice) -> Option<u64> {
+        let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+        let rc = match kind {
+            ArrayKind::Array => ext!(
+                MISSING,
+                cuArrayGetMemoryRequirements(&mut req, arr as CUarray, ordinal)
+            ),
+            ArrayKind::Mipmapped => ext!(
+                MISSING,
+                cuMipmappedArrayGetMemoryRequirements(&mut req, arr as CUmipmappedArray, ordinal)
+            ),
+        };
+        (rc == CUDA_SUCCESS).then(|| u64_of(req.size))
+    }
+
+    fn array_destroy(&self, kind: ArrayKind, arr: usize) -> R<()> {
+        check(match kind {
+            ArrayKind::Array => forward!(MISSING, cuArrayDestroy(arr as CUarray)),
+            ArrayKind::Mipmapped => {
+                forward!(MISSING, cuMipmappedArrayDestroy(arr as CUmipmappedArray))
+            }
+        })
     }
 
     #[inline(always)]
@@ -287,14 +314,6 @@ unsafe fn free_v1(dptr: CUdeviceptr_v1) -> CUresult {
     code(quota::free(&RealDriver, v, Abi::V1, u64::from(dptr)))
 }
 
-/// Reserve `bytes` on the current context's GPU, run `call`, roll back on failure
-/// ([`quota::reserved`] for the calls whose result the caller reads through its own
-/// pointers). `Ok(dev)` means the call succeeded with the reservation held.
-#[inline(always)]
-fn reserved_call(v: &Vcuda, bytes: u64, call: impl FnOnce() -> CUresult) -> R<usize> {
-    quota::reserved(v, bytes, || check(call()), |()| {}).map(|(dev, ())| dev)
-}
-
 /// Free through `call` by the rule of [`quota::free`].
 #[inline(always)]
 fn free_common(v: &Vcuda, ptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
@@ -344,37 +363,26 @@ fn learn_array_granule(raw: u64, actual: u64) {
     ARRAY_GRANULE.fetch_max(g, std::sync::atomic::Ordering::Relaxed);
 }
 
-fn array_common(
+/// An array made by `call` (which writes its handle through `handle`): counted by
+/// [`quota::array`], remembered for its destroy.
+fn array_common<T>(
     v: &Vcuda,
+    kind: ArrayKind,
     raw: u64,
-    handle: *mut CUarray,
+    handle: *mut *mut T,
     call: impl FnOnce() -> CUresult,
 ) -> CUresult {
     let est = array_estimate(raw);
-    match reserved_call(v, est, call) {
-        Ok(dev) => {
-            // SAFETY: the driver succeeded, so *handle is the new array.
-            let arr = unsafe { *handle };
-            let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
-            let ord = v.ordinal_of(dev).unwrap_or(0);
-            let actual = if ext!(MISSING, cuArrayGetMemoryRequirements(&mut req, arr, ord))
-                == CUDA_SUCCESS
-                && req.size > 0
-            {
-                learn_array_granule(raw, req.size as u64);
-                req.size as u64
-            } else {
-                est
-            };
-            if !true_up(v, dev, est, actual) {
-                forward!(MISSING, cuArrayDestroy(arr));
-                return refuse_for_quota(v, dev);
-            }
-            v.objs.lock().arrays.insert(arr as usize, (actual, dev));
-            CUDA_SUCCESS
-        }
-        Err(e) => e,
-    }
+    let made = quota::array(&RealDriver, v, kind, est, || {
+        check(call())?;
+        // SAFETY: the driver succeeded, so *handle is the new array (the shell checked it
+        // is not NULL).
+        Ok(unsafe { *handle } as usize)
+    });
+    code(made.map(|(dev, arr, actual)| {
+        learn_array_granule(raw, actual);
+        v.objs.lock().arrays.insert(arr, (actual, dev));
+    }))
 }
 
 unsafe fn array_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> CUresult {
@@ -385,7 +393,7 @@ unsafe fn array_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> 
     // SAFETY: a non-NULL descriptor the caller passed.
     let d = unsafe { &*desc };
     let raw = array_bytes(d.width as u64, d.height as u64, 1, d.format, d.num_channels);
-    array_common(v, raw, handle, || {
+    array_common(v, ArrayKind::Array, raw, handle, || {
         forward!(MISSING, cuArrayCreate_v2(handle, desc))
     })
 }
@@ -404,7 +412,7 @@ unsafe fn array_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) 
         d.format,
         d.num_channels,
     );
-    array_common(v, raw, handle, || {
+    array_common(v, ArrayKind::Array, raw, handle, || {
         forward!(MISSING, cuArrayCreate(handle, desc))
     })
 }
@@ -423,7 +431,7 @@ unsafe fn array3d_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR)
         d.format,
         d.num_channels,
     );
-    array_common(v, raw, handle, || {
+    array_common(v, ArrayKind::Array, raw, handle, || {
         forward!(MISSING, cuArray3DCreate_v2(handle, desc))
     })
 }
@@ -442,7 +450,7 @@ unsafe fn array3d_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_
         d.format,
         d.num_channels,
     );
-    array_common(v, raw, handle, || {
+    array_common(v, ArrayKind::Array, raw, handle, || {
         forward!(MISSING, cuArray3DCreate(handle, desc))
     })
 }
@@ -487,36 +495,9 @@ unsafe fn mipmap_create(
                 * ALLOC_GRANULE
         })
         .sum::<u64>();
-    let raw = est;
-    let est = array_estimate(raw);
-    match reserved_call(v, est, || {
+    array_common(v, ArrayKind::Mipmapped, est, handle, || {
         forward!(MISSING, cuMipmappedArrayCreate(handle, desc, levels))
-    }) {
-        Ok(dev) => {
-            // SAFETY: the driver succeeded, so *handle is the new mipmapped array.
-            let m = unsafe { *handle };
-            let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
-            let ord = v.ordinal_of(dev).unwrap_or(0);
-            let actual = if ext!(
-                MISSING,
-                cuMipmappedArrayGetMemoryRequirements(&mut req, m, ord)
-            ) == CUDA_SUCCESS
-                && req.size > 0
-            {
-                learn_array_granule(raw, req.size as u64);
-                req.size as u64
-            } else {
-                est
-            };
-            if !true_up(v, dev, est, actual) {
-                forward!(MISSING, cuMipmappedArrayDestroy(m));
-                return refuse_for_quota(v, dev);
-            }
-            v.objs.lock().arrays.insert(m as usize, (actual, dev));
-            CUDA_SUCCESS
-        }
-        Err(e) => e,
-    }
+    })
 }
 
 unsafe fn mipmap_destroy(handle: CUmipmappedArray) -> CUresult {

@@ -48,6 +48,19 @@ pub(crate) trait Driver {
     fn alloc_pitch(&self, abi: Abi, width: u64, height: u64, elem: c_uint) -> R<(u64, u64)>;
     /// `cuMemFree(_v2)`.
     fn free(&self, abi: Abi, ptr: u64) -> R<()>;
+    /// What the driver charges for `arr` on the device of CUDA ordinal `ordinal`
+    /// (`cuArrayGetMemoryRequirements` / `cuMipmappedArrayGetMemoryRequirements`), if it
+    /// says (a size of 0 says nothing).
+    fn array_size(&self, kind: ArrayKind, arr: usize, ordinal: i32) -> Option<u64>;
+    /// `cuArrayDestroy` / `cuMipmappedArrayDestroy`.
+    fn array_destroy(&self, kind: ArrayKind, arr: usize) -> R<()>;
+}
+
+/// An array (`cuArrayCreate(_v2)`, `cuArray3DCreate(_v2)`) or a mipmapped array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ArrayKind {
+    Array,
+    Mipmapped,
 }
 
 /// What the container has counted, and this process's live allocations.
@@ -65,6 +78,8 @@ pub(crate) trait Books {
     fn insert(&self, ptr: u64, rec: Rec);
     /// Forget a live allocation, returning what it counted.
     fn remove(&self, ptr: u64) -> Option<Rec>;
+    /// The CUDA ordinal the driver shows config GPU `dev` as.
+    fn ordinal_of(&self, dev: usize) -> i32;
 }
 
 /// Reserve `bytes` on the current context's GPU, run `call`, roll back if it fails.
@@ -203,6 +218,31 @@ pub(crate) fn free_with(b: &impl Books, ptr: u64, call: impl FnOnce() -> R<()>) 
     rc
 }
 
+/// An array (or mipmapped array) made by `create`: reserved at `est` (an upper estimate;
+/// the driver rounds arrays coarsely), then trued up to what the driver says it charges, or
+/// kept at `est` if it says nothing. An array whose true size does not fit the quota is
+/// destroyed and refused. Returns (GPU, array, bytes counted).
+pub(crate) fn array(
+    d: &impl Driver,
+    b: &impl Books,
+    kind: ArrayKind,
+    est: u64,
+    create: impl FnOnce() -> R<usize>,
+) -> R<(usize, usize, u64)> {
+    let (dev, arr) = reserved(b, est, create, |a| {
+        let _ = d.array_destroy(kind, a);
+    })?;
+    let actual = d
+        .array_size(kind, arr, b.ordinal_of(dev))
+        .filter(|&n| n > 0)
+        .unwrap_or(est);
+    if !true_up(b, dev, est, actual) {
+        let _ = d.array_destroy(kind, arr);
+        return Err(b.refuse_for_quota(dev));
+    }
+    Ok((dev, arr, actual))
+}
+
 /// A `CUresult` as an operation's result.
 #[inline(always)]
 pub(crate) fn check(rc: CUresult) -> R<()> {
@@ -326,6 +366,8 @@ pub(crate) mod fake {
         Managed(u64),
         Pitch(Abi, u64, u64),
         Free(Abi, u64),
+        Array(u64),
+        Destroy(ArrayKind, usize),
     }
 
     /// A driver whose device holds `capacity` bytes; `fail` queues errors for the next
@@ -336,6 +378,8 @@ pub(crate) mod fake {
         pub fail: RefCell<VecDeque<CUresult>>,
         pub refuse_free: RefCell<bool>,
         pub pitch: u64,
+        /// What the driver rounds an array's size to (0: it does not say).
+        pub array_granule: u64,
         next: RefCell<u64>,
     }
 
@@ -347,8 +391,15 @@ pub(crate) mod fake {
                 fail: RefCell::new(VecDeque::new()),
                 refuse_free: RefCell::new(false),
                 pitch: 512,
+                array_granule: 2 << 20,
                 next: RefCell::new(0x7f00_0000_0000),
             }
+        }
+
+        /// `cuArrayCreate` of an array of `bytes`: a new handle.
+        pub fn create_array(&self, bytes: u64) -> R<usize> {
+            self.calls.borrow_mut().push(Call::Array(bytes));
+            self.make(bytes).map(crate::conv::usize_of)
         }
 
         fn make(&self, bytes: u64) -> R<u64> {
@@ -378,6 +429,17 @@ pub(crate) mod fake {
                 .push(Call::Pitch(abi, width, height));
             let pitch = width.div_ceil(self.pitch) * self.pitch;
             Ok((self.make(pitch * height)?, pitch))
+        }
+        fn array_size(&self, _kind: ArrayKind, arr: usize, _ordinal: i32) -> Option<u64> {
+            let held = *self.live.borrow().get(&(arr as u64))?;
+            (self.array_granule > 0).then(|| held.div_ceil(self.array_granule) * self.array_granule)
+        }
+        fn array_destroy(&self, kind: ArrayKind, arr: usize) -> R<()> {
+            self.calls.borrow_mut().push(Call::Destroy(kind, arr));
+            match self.live.borrow_mut().remove(&(arr as u64)) {
+                Some(_) => Ok(()),
+                None => Err(crate::ffi::CUDA_ERROR_INVALID_VALUE),
+            }
         }
         fn free(&self, abi: Abi, ptr: u64) -> R<()> {
             self.calls.borrow_mut().push(Call::Free(abi, ptr));
@@ -448,6 +510,9 @@ pub(crate) mod fake {
         }
         fn remove(&self, ptr: u64) -> Option<Rec> {
             self.recs.borrow_mut().remove(&ptr)
+        }
+        fn ordinal_of(&self, dev: usize) -> i32 {
+            crate::conv::i32_sat(dev)
         }
     }
 }
@@ -593,6 +658,61 @@ mod tests {
             (b.used(0), b.used(1), b.recs.borrow()[&p].dev),
             (MIB, 2 * MIB, 0)
         );
+    }
+
+    #[test]
+    fn an_array_is_reserved_at_its_estimate_then_counted_as_the_driver_charges_it() {
+        let (d, b) = (FakeDriver::new(), FakeBooks::new(&[16 * MIB]));
+        // 3 MiB raw, estimated at 4 MiB; the driver rounds to 2 MiB: 4 MiB
+        let (dev, arr, n) = array(&d, &b, ArrayKind::Array, 4 * MIB, || {
+            d.create_array(3 * MIB)
+        })
+        .unwrap();
+        assert_eq!((dev, n, b.used(0)), (0, 4 * MIB, 4 * MIB));
+        // 1 MiB raw, estimated generously at 3 MiB: trued down to the driver's 2 MiB
+        let (_, _, n) = array(&d, &b, ArrayKind::Mipmapped, 3 * MIB, || {
+            d.create_array(MIB)
+        })
+        .unwrap();
+        assert_eq!((n, b.used(0)), (2 * MIB, 6 * MIB));
+        let live = d.live.borrow().len();
+        assert_eq!(live, 2);
+        let _ = arr;
+    }
+
+    #[test]
+    fn an_array_the_estimate_fit_but_the_driver_charges_more_for_is_destroyed_and_refused() {
+        let (mut d, b) = (FakeDriver::new(), FakeBooks::new(&[5 * MIB]));
+        d.array_granule = 4 << 20;
+        let r = array(&d, &b, ArrayKind::Array, 4 * MIB, || {
+            d.create_array(4 * MIB + 1)
+        });
+        assert_eq!(r, Err(CUDA_ERROR_OUT_OF_MEMORY));
+        assert_eq!(
+            (b.used(0), d.live.borrow().len(), *b.refusals.borrow()),
+            (0, 0, 1)
+        );
+        assert!(matches!(
+            d.calls.borrow().last(),
+            Some(Call::Destroy(ArrayKind::Array, _))
+        ));
+    }
+
+    #[test]
+    fn a_driver_that_does_not_say_an_arrays_size_leaves_the_estimate_counted() {
+        let (mut d, b) = (FakeDriver::new(), FakeBooks::new(&[16 * MIB]));
+        d.array_granule = 0;
+        let (_, _, n) = array(&d, &b, ArrayKind::Array, 4 * MIB, || {
+            d.create_array(3 * MIB)
+        })
+        .unwrap();
+        assert_eq!((n, b.used(0)), (4 * MIB, 4 * MIB));
+        // over the quota: the driver is never asked
+        assert_eq!(
+            array(&d, &b, ArrayKind::Array, 16 * MIB, || d.create_array(MIB)),
+            Err(CUDA_ERROR_OUT_OF_MEMORY)
+        );
+        assert_eq!(d.calls.borrow().len(), 1);
     }
 
     #[test]
