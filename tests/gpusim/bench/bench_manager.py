@@ -104,12 +104,16 @@ def main():
     print(f"| containers configured ahead of their PreStartContainer | {ahead} of {args.containers} | | | |")
     if lookups:
         print(f"| PodResources lookups in PreStartContainer ({len(lookups)}) | {ms(pct(lookups, .5)):.2f} ms | {ms(pct(lookups, .99)):.2f} ms | {ms(max(lookups)):.2f} ms | |")
-    print(f"| Allocate + PreStartContainer, per container (4 calls) | {ms(pct(per_container, .5)):.2f} ms | {ms(pct(per_container, .99)):.2f} ms | {ms(max(per_container)):.2f} ms | p99 ≤ 2 ms |")
+    ratio = pct(per_container, .99) / pct(floor, .99)
+    print(f"| Allocate + PreStartContainer, per container (4 calls) | {ms(pct(per_container, .5)):.2f} ms | {ms(pct(per_container, .99)):.2f} ms | {ms(max(per_container)):.2f} ms | p99 ≤ 1.25 × the floor's ({ratio:.2f} ×) |")
     print(f"| the floor: 4 null RPCs (GetDevicePluginOptions) | {ms(pct(floor, .5)):.2f} ms | {ms(pct(floor, .99)):.2f} ms | {ms(max(floor)):.2f} ms | |")
-    print(f"| the manager's own time in those 4 handlers | {ms(pct(own, .5)):.2f} ms | {ms(pct(own, .99)):.2f} ms | {ms(max(own)):.2f} ms | |")
+    print(f"| the manager's own time in those 4 handlers | {ms(pct(own, .5)):.2f} ms | {ms(pct(own, .99)):.2f} ms | {ms(max(own)):.2f} ms | p99 ≤ 0.5 ms |")
     print(f"| re-registration after a kubelet restart ({args.restarts}×) | {statistics.median(rereg) * 1000:.0f} ms | | {max(rereg) * 1000:.0f} ms | ≤ 1 s |")
     print(f"| manager RSS, 8 GPUs × {args.containers} containers | {rss:.1f} MiB | | | ≤ 40 MiB |")
-    ok = pct(per_container, .99) <= 2000 and max(rereg) <= 1.0 and rss <= 40
+    # Issue 14: on a 2-vCPU machine the null-RPC floor alone exceeds an absolute 2 ms, so
+    # the round trips are judged against the floor measured in the same run, and the
+    # manager's own work on its own.
+    ok = ratio <= 1.25 and pct(own, .99) <= 500 and max(rereg) <= 1.0 and rss <= 40
     print(f"\ntargets {'met' if ok else 'NOT met'}")
 
 
