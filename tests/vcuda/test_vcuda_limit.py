@@ -120,6 +120,29 @@ def test_tenants_sharing_a_gpu_each_get_their_share(machines, shares):
         check_tenant(ld, s / 100, "spin_1ms", 7, f"tenant {s}% of {shares}")
 
 
+def test_a_multi_gpu_container_gets_each_gpus_share_whatever_order_the_application_sees_them_in(machines):
+    """A container on two GPUs, 20 % of the first and 60 % of the second (config order). Its
+    processes list them the other way round (CUDA_VISIBLE_DEVICES=1,0), so CUDA ordinal 0
+    is config GPU 1: a process on each ordinal is held to the share of the GPU it really
+    runs on (a limiter that took ordinals for config indices would swap the shares)."""
+    m = machines(2)
+    c = m.sim.container([4096, 4096], gpus=[m.uuids[0], m.uuids[1]], name="pair", core=50)
+    c.env["CUDA_VISIBLE_DEVICES"] = "1,0"
+    m.sample()
+    on_gpu1 = m.start(c, 1, "spin_1ms", 7, "--device", "0")
+    on_gpu0 = m.start(c, 0, "spin_1ms", 7, "--device", "1")
+    # the region exists once a process has started; a share written to it applies within
+    # 200 ms (test_a_share_changed_at_run_time_applies_within_200ms), before the first second
+    set_share(c.region, 0, 20)
+    set_share(c.region, 1, 60)
+    on_gpu1.wait()
+    on_gpu0.wait()
+    m.stop()
+    for ld, share in ((on_gpu0, 0.20), (on_gpu1, 0.60)):
+        got = ld.util(1.0, 6.8)
+        assert abs(got - share) <= ACCURACY, f"the process on gpusim GPU {ld.gpu} got {got:.2%}, its share {share:.0%}"
+
+
 def test_a_hard_tenant_does_not_take_a_neighbours_unused_share(machines):
     """B (50 %) runs in bursts; A (30 %, hard) saturates and stays at 30 % throughout."""
     m = machines(1)

@@ -1,12 +1,12 @@
 /* A saturating (or bursty) kernel workload for the compute limiter's tests.
- *   vcuda_load [--kernel NAME] [--seconds S] [--api API] [--on-ms A --off-ms B]
+ *   vcuda_load [--kernel NAME] [--seconds S] [--api API] [--on-ms A --off-ms B] [--device N]
  * Launches NAME (a kernel of known duration under gpusim's cost model, e.g. spin_50us)
  * back to back for S seconds through API: kernel (cuLaunchKernel, default), kernel_ptsz,
  * ex (cuLaunchKernelEx), coop (cuLaunchCooperativeKernel), multi
  * (cuLaunchCooperativeKernelMultiDevice), grid (cuLaunchGrid), grid_async
  * (cuLaunchGridAsync), legacy (cuLaunch) or graph (cuGraphLaunch of a captured one-kernel
  * graph). With --on-ms/--off-ms it alternates A ms of launching with B ms idle (after
- * waiting for the queue to drain). Prints "ready pid=<pid>" once its context exists and
+ * waiting for the queue to drain). --device N runs on CUDA ordinal N. Prints "ready pid=<pid>" once its context exists and
  * "kernels=<n>" at the end. */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -27,12 +27,14 @@ static double now_s(void) {
 int main(int argc, char **argv) {
     const char *kernel = "spin_1ms", *api = "kernel";
     double seconds = 5, on_ms = 0, off_ms = 0;
+    int device = 0; /* the CUDA ordinal, as the process sees its GPUs */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--kernel")) kernel = argv[++i];
         else if (!strcmp(argv[i], "--seconds")) seconds = atof(argv[++i]);
         else if (!strcmp(argv[i], "--api")) api = argv[++i];
         else if (!strcmp(argv[i], "--on-ms")) on_ms = atof(argv[++i]);
         else if (!strcmp(argv[i], "--off-ms")) off_ms = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--device")) device = atoi(argv[++i]);
         else { fprintf(stderr, "unknown argument %s\n", argv[i]); return 2; }
     }
     CUcontext ctx;
@@ -41,7 +43,7 @@ int main(int argc, char **argv) {
     CUstream s;
     CUdevice dev;
     CHECK(cuInit(0));
-    CHECK(cuDeviceGet(&dev, 0));
+    CHECK(cuDeviceGet(&dev, device));
     CHECK(cuCtxCreate(&ctx, 0, dev));
     CHECK(cuModuleLoadData(&mod, PTX));
     CHECK(cuModuleGetFunction(&f, mod, kernel));
