@@ -11,13 +11,10 @@ use std::ffi::{c_uint, c_void};
 use crate::conv::{dev_u8, u32_sat, u64_of, usize_of};
 use crate::ffi::*;
 use crate::init::{cuda, Vcuda};
-use crate::quota::{self, check, code, counted, Abi, ArrayKind, Books, Driver, R};
+use crate::quota::{self, check, code, Abi, ArrayKind, Books, Driver, R};
 use crate::table::{Kind, Rec};
 
 pub use crate::quota::ALLOC_GRANULE;
-
-/// Granularity pools grow by (CUDA's allocation granularity).
-const POOL_GRANULE: u64 = 2 << 20;
 
 hooks! {
     Cuda fn cuMemAlloc(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult => alloc_v1;
@@ -689,7 +686,7 @@ fn async_common(
     // That cached memory can only be counted on while no synchronisation can give it back
     // to the device: with the exclusive lock, hold the exact growth; if a synchronisation
     // is running, hold the growth as if the pool had nothing cached.
-    let need = counted(size as u64);
+    let size_bytes = u64_of(size);
     let _serial = v.pool_alloc.lock();
     let exclusive = v.pool_sync.try_write();
     let cached = if exclusive.is_some() {
@@ -699,7 +696,7 @@ fn async_common(
     } else {
         0
     };
-    let hold = need.saturating_sub(cached).div_ceil(POOL_GRANULE) * POOL_GRANULE;
+    let hold = quota::pool_hold(size_bytes, cached);
     if !v.reserve(dev, hold) {
         return refuse_for_quota(v, dev);
     }
@@ -710,7 +707,7 @@ fn async_common(
         v.allocs.insert(
             unsafe { *dptr },
             Rec {
-                size: size as u64,
+                size: size_bytes,
                 dev: dev_u8(dev),
                 kind: Kind::Pool,
             },

@@ -243,6 +243,21 @@ pub(crate) fn array(
     Ok((dev, arr, actual))
 }
 
+/// Granularity pools grow by (CUDA's allocation granularity).
+pub const POOL_GRANULE: u64 = 2 << 20;
+
+/// What a stream-ordered allocation of `size` bytes from a pool holding `cached` bytes it
+/// is not using must reserve before the call: the growth the pool may need, in whole
+/// granules (0 if the cache serves it). `cached` is 0 unless no synchronisation can give
+/// the cache back to the device meanwhile (`Vcuda::pool_sync`).
+#[inline(always)]
+pub(crate) fn pool_hold(size: u64, cached: u64) -> u64 {
+    counted(size)
+        .saturating_sub(cached)
+        .div_ceil(POOL_GRANULE)
+        .saturating_mul(POOL_GRANULE)
+}
+
 /// A `CUresult` as an operation's result.
 #[inline(always)]
 pub(crate) fn check(rc: CUresult) -> R<()> {
@@ -802,6 +817,18 @@ mod tests {
         }
 
         proptest! {
+            /// A pool allocation holds enough for the growth its cache cannot serve, never
+            /// a whole granule more, and in whole granules.
+            #[test]
+            fn a_pool_allocation_holds_the_growth_in_whole_granules(size in 1u64..1 << 40, cached in 0u64..1 << 40) {
+                let hold = pool_hold(size, cached);
+                let short = counted(size).saturating_sub(cached);
+                prop_assert_eq!(hold % POOL_GRANULE, 0);
+                prop_assert!(hold >= short, "holds {hold}, the pool may grow by {short}");
+                prop_assert!(hold < short + POOL_GRANULE);
+                prop_assert_eq!(hold == 0, cached >= counted(size));
+            }
+
             /// Whatever the sequence of allocations, driver failures and frees: the books
             /// never pass the quota, count exactly what is live (rounded), and the driver
             /// holds exactly the allocations the books know.
