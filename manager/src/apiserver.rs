@@ -1,6 +1,6 @@
 //! The manager's API server client (I/O, kube-rs): reading the pods bound to this node and
 //! its Node, and writing the Node's annotations with a compare-and-swap. Decisions are in
-//! [`crate::assign`]; the task that publishes the node's GPUs in the `vcuda.io/gpus` Node
+//! [`vcuda_manager_core::assign`]; the task that publishes the node's GPUs in the `vcuda.io/gpus` Node
 //! annotation is [`crate::publisher`].
 //!
 //! **Why a Node annotation, not a CRD.** The scheduler extender reads the inventory and
@@ -21,8 +21,8 @@ use kube::Api;
 use tracing::{info, warn};
 use vcuda_cluster::{Reservations, RESERVATIONS_ANNOTATION};
 
-use crate::assign::{self, PodFacts};
 use crate::settings::{ApiMode, Settings};
+use vcuda_manager_core::assign::{self, PodFacts};
 
 /// The API server cannot be used or did not answer. Each names the object (node, pod,
 /// kubeconfig) and, where the fix is the operator's, what to change.

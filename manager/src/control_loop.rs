@@ -13,14 +13,14 @@ use nvml_wrapper::Nvml;
 use tracing::{info, warn};
 use vcuda_contract::region_file::{RegionFile, Snapshot};
 
-use crate::allocation::Allocation;
 use crate::core::Registration;
 use crate::gpus;
-use crate::identity;
-use crate::ids::Kind;
 use crate::plugin::Shared;
-use crate::watchdog::ComputeWatch;
 use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, ProcessView, View, SCHEMA};
+use vcuda_manager_core::allocation::Allocation;
+use vcuda_manager_core::identity;
+use vcuda_manager_core::ids::Kind;
+use vcuda_manager_core::watchdog::ComputeWatch;
 
 const PERIOD: Duration = Duration::from_millis(167);
 const GC_PERIOD: Duration = Duration::from_secs(10);
@@ -423,7 +423,7 @@ fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
             }
         }
         // The compute watchdog: a container's driver-reported utilization on each of its
-        // GPUs against its limit, over a window (crate::watchdog).
+        // GPUs against its limit, over a window (vcuda_manager_core::watchdog).
         let now_ms = epoch.elapsed().as_millis() as u64;
         for a in allocs.iter().filter(|a| a.percent < 100) {
             let limit = a.core_limit.unwrap_or(a.percent).max(a.percent);

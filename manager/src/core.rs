@@ -12,18 +12,20 @@ use vcuda_contract::config::parse_uuid;
 use vcuda_contract::control::Hello;
 use vcuda_contract::region_file::{RegionFault, RegionFile};
 
-use crate::allocation::{
+use crate::files::{create_dir, remove_dir, write_atomic, FileError};
+use crate::journal::{Journal, JournalError};
+use crate::settings::Settings;
+use vcuda_manager_core::allocation::{
     answer, container_config, finish, parse_ids, plan, Allocation, Answer, DeviceError,
     FinishError, Holdings, Layout, Owner, CONTAINER_LIBRARY,
 };
-use crate::assign::{actual_shape, check_assignment, AssignError, PodFacts, Shape};
-use crate::files::{create_dir, remove_dir, write_atomic, FileError};
-use crate::gpus::Inventory;
-use crate::identity;
-use crate::ids::{DeviceId, Kind};
-use crate::journal::{Journal, JournalError};
-use crate::placement::{check_memory, preferred, preferred_on, Pairing, PlacementError};
-use crate::settings::Settings;
+use vcuda_manager_core::assign::{actual_shape, check_assignment, AssignError, PodFacts, Shape};
+use vcuda_manager_core::identity;
+use vcuda_manager_core::ids::{DeviceId, Kind};
+use vcuda_manager_core::inventory::Inventory;
+use vcuda_manager_core::placement::{
+    check_memory, preferred, preferred_on, Pairing, PlacementError,
+};
 
 /// Why an Allocate or PreStartContainer is refused, or the state cannot be opened or
 /// changed. The request's own faults (devices, placement, the pod's annotations) are told
@@ -170,7 +172,7 @@ pub struct Core {
     /// Notified at every change of the allocations (the inventory publisher waits on it).
     pub changed: std::sync::Arc<tokio::sync::Notify>,
     /// Exchanges of identical pods' decisions not yet written to the Node's reservations:
-    /// pod uid → the shares it now stands for ([`crate::assign::partner`]).
+    /// pod uid → the shares it now stands for ([`vcuda_manager_core::assign::partner`]).
     pub overrides: BTreeMap<String, Vec<GpuShare>>,
     /// Each started allocation's region, opened once: at PreStartContainer, before its
     /// container exists, or (after a manager restart) by the control loop, outside the
@@ -460,7 +462,7 @@ impl Core {
     /// `vcuda.io/gpu-count` decides whether a split over GPUs is right, and its uid is the
     /// owner's when the kubelet's checkpoint named none; `None`: no API server (a split is
     /// refused). `assigned` is the scheduler's decision for the container
-    /// ([`crate::assign::effective`]): the devices must agree with it, unless this container
+    /// ([`vcuda_manager_core::assign::effective`]): the devices must agree with it, unless this container
     /// was configured before (it was checked then). `None`: nothing to agree with.
     pub fn pre_start_with(
         &mut self,
@@ -816,11 +818,11 @@ fn read_proc(path: &Path) -> Result<String, ClaimError> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::allocation::Gpu;
-    use crate::ids::all_ids;
-    use crate::placement::{Link, Node};
     use crate::settings::Flags;
     use clap::Parser;
+    use vcuda_manager_core::allocation::Gpu;
+    use vcuda_manager_core::ids::all_ids;
+    use vcuda_manager_core::placement::{Link, Node};
 
     const U0: &str = "GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d401";
     const U1: &str = "GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d402";

@@ -23,10 +23,11 @@ use vcuda_proto::deviceplugin::v1beta1 as dp;
 use crate::apiserver::ApiError;
 use crate::baseline::{self, BaselineError};
 use crate::core::{Core, CoreError};
-use crate::gpus::{self, Health};
-use crate::ids::Kind;
+use crate::gpus;
 use crate::plugin::{self, Plugin, Shared};
 use crate::settings::Settings;
+use vcuda_manager_core::ids::Kind;
+use vcuda_manager_core::inventory::Health;
 
 /// Why the manager cannot start (or keep serving): each ends the process with its message
 /// on one line, naming the file, socket or flag and what to do.

@@ -26,8 +26,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::allocation::Allocation;
 use crate::files::{write_atomic, FileError};
+use vcuda_manager_core::allocation::Allocation;
 
 /// Format version of a line.
 pub const VERSION: u32 = 1;

@@ -15,13 +15,13 @@ use tracing::{info, warn};
 use vcuda_proto::deviceplugin::v1beta1 as dp;
 use vcuda_proto::podresources::v1 as pr;
 
-use crate::allocation::{Answer, Holdings};
 use crate::apiserver::ApiServer;
-use crate::assign::{self, AssignError, Holds, PodFacts};
 use crate::core::{Core, CoreError};
-use crate::ids::{all_ids, DeviceId, Kind};
 use crate::lookup::ListCache;
 use vcuda_cluster::{GpuShare, Reservations};
+use vcuda_manager_core::allocation::{Answer, Holdings};
+use vcuda_manager_core::assign::{self, AssignError, Holds, PodFacts};
+use vcuda_manager_core::ids::{all_ids, DeviceId, Kind};
 
 /// The kubelet's PodResources API did not answer a `List`.
 #[derive(Debug, thiserror::Error)]
@@ -769,7 +769,7 @@ pub fn find(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::placement::PlacementError;
+    use vcuda_manager_core::placement::PlacementError;
 
     /// The kubelet reads the reason with a code that tells the request's fault from the
     /// node's.

@@ -1,6 +1,6 @@
 //! The one task that writes the node's Node annotations: the GPUs in `vcuda.io/gpus` and the
 //! scheduler's reservations that are over (through the client in [`crate::apiserver`];
-//! decisions in [`crate::assign`]). Above [`crate::plugin`], whose shared state it reads.
+//! decisions in [`vcuda_manager_core::assign`]). Above [`crate::plugin`], whose shared state it reads.
 //!
 //! **Publishing.** After any change of the allocations or of GPU health (debounced by
 //! [`DEBOUNCE`]) and every [`REFRESH`] otherwise, it lists the node's pods, reads the Node,
@@ -17,8 +17,8 @@ use tracing::{debug, info, warn};
 use vcuda_cluster::{Reservations, INVENTORY_ANNOTATION, RESERVATIONS_ANNOTATION, SCHEMA};
 
 use crate::apiserver::{ApiError, ApiServer};
-use crate::assign;
 use crate::plugin::Shared;
+use vcuda_manager_core::assign;
 
 /// Wait this long after a change before publishing (a pod's containers change together).
 pub const DEBOUNCE: Duration = Duration::from_millis(100);

@@ -243,7 +243,7 @@ impl SettingsError {
 }
 
 /// Where the control socket sits inside `run_dir` (and, mounted, inside containers).
-pub const SOCKET_NAME: &str = "manager.sock";
+pub use vcuda_manager_core::allocation::SOCKET_NAME;
 /// The host-only query socket inside `run_dir`.
 pub const QUERY_SOCKET_NAME: &str = "query.sock";
 

@@ -26,6 +26,9 @@ pub const CONTAINER_CONFIG_DIR: &str = "/etc/vcuda";
 /// rename nor replace it (a bind-mounted file cannot be unlinked), only write it.
 pub const CONTAINER_REGION: &str = "/run/vcuda/region/region";
 pub const CONTAINER_SOCKET_DIR: &str = "/run/vcuda/sock";
+/// The control socket's file name, in the manager's socket directory on the host and in
+/// [`CONTAINER_SOCKET_DIR`] inside containers.
+pub const SOCKET_NAME: &str = "manager.sock";
 
 /// One GPU as the manager knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -269,7 +272,7 @@ pub fn container_config(alloc: &Allocation, gpus: &[Gpu]) -> ContainerConfig {
     ContainerConfig {
         version: CONFIG_VERSION,
         region: CONTAINER_REGION.into(),
-        socket: Some(Path::new(CONTAINER_SOCKET_DIR).join(crate::settings::SOCKET_NAME)),
+        socket: Some(Path::new(CONTAINER_SOCKET_DIR).join(SOCKET_NAME)),
         allocation: Some(alloc.id.clone()),
         cuda_library: "libcuda.so.1".into(),
         nvml_library: "libnvidia-ml.so.1".into(),

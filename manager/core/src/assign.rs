@@ -27,8 +27,8 @@ use vcuda_cluster::{
 };
 
 use crate::allocation::Allocation;
-use crate::gpus::Inventory;
 use crate::ids::{DeviceId, Kind, CORES_PER_GPU, MEMORY_UNIT};
+use crate::inventory::Inventory;
 use crate::placement::{split_gpus, Link, Node};
 
 /// The pod's word from the API server cannot be followed, or the kubelet's devices disagree

@@ -1,0 +1,25 @@
+//! vcuda-manager-core: what the node daemon decides, with no I/O. The compiler keeps it
+//! pure: this crate depends on no runtime, RPC, API-server or NVML crate, and
+//! `tests/docs/test_code_habits.py` fails if it names the filesystem, processes, sockets or
+//! the clock's `now()`. The daemon (`vcuda-manager`) reads and writes; these functions take
+//! what it read and say what to do.
+//!
+//! - [`ids`]: device IDs (GPU UUID + kind + index; stable, ≤ 63 characters);
+//! - [`placement`]: GetPreferredAllocation and Allocate validation;
+//! - [`allocation`]: what Allocate answers and what PreStartContainer finishes;
+//! - [`assign`]: following the scheduler: the pod being admitted, its assigned GPUs, the
+//!   agreement check, the published inventory and retired reservations;
+//! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (parsers over text
+//!   the daemon read);
+//! - [`inventory`]: the node's GPUs as found at start, and the XID health rule;
+//! - [`watchdog`]: the verdict on a container that runs over its compute share.
+
+#![forbid(unsafe_code)]
+
+pub mod allocation;
+pub mod assign;
+pub mod identity;
+pub mod ids;
+pub mod inventory;
+pub mod placement;
+pub mod watchdog;
