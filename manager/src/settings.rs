@@ -1,12 +1,17 @@
 //! The manager's settings: a TOML file (`--config`, optional) overlaid by flags. Every key
 //! has a flag of the same name with dashes, and a safe default for a standard kubelet.
+//!
+//! Each setting is declared once, as a field of [`Layer`]: its flag and help (clap), its
+//! file key (serde, the field's name) and how a flag given overlays the file (its type's
+//! [`Overlay`]). [`Settings::load`] reads the file into a `Layer`, overlays the flags'
+//! `Layer` on it, and [`Settings::resolve`] alone fills in defaults and validates.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::Parser;
-use serde::Deserialize;
+use clap::{Args, Parser};
+use serde::{Deserialize, Deserializer};
 
 /// XIDs that do not make a GPU unhealthy by default: application errors (13 graphics
 /// engine exception, 31 memory page fault, 43 GPU stopped processing, 45 preemptive
@@ -28,119 +33,174 @@ pub struct Flags {
     /// TOML settings file; flags override it. Missing is an error only if given explicitly.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// The kubelet's device-plugin directory (kubelet.sock lives there; our sockets go there).
-    #[arg(long, value_name = "DIR")]
-    pub device_plugin_dir: Option<PathBuf>,
-    /// The kubelet's PodResources socket.
-    #[arg(long, value_name = "PATH")]
-    pub pod_resources_socket: Option<PathBuf>,
-    /// The kubelet's device-manager checkpoint (read only, to learn pod UIDs).
-    #[arg(long, value_name = "PATH")]
-    pub kubelet_checkpoint: Option<PathBuf>,
-    /// Resource domain: resources are `<domain>/vcuda-core` and `<domain>/vcuda-memory`.
-    #[arg(long)]
-    pub domain: Option<String>,
-    /// Where the manager's checkpoint (allocations.jsonl) and the preload file are kept:
-    /// on disk, surviving reboots [default: /var/lib/vcuda].
-    #[arg(long, value_name = "DIR")]
-    pub state_dir: Option<PathBuf>,
-    /// Where each allocation's config and shared region, and the control socket, are made
-    /// (mounted into containers). Should be a tmpfs: the regions are shared memory written
-    /// thousands of times a second [default: /run/vcuda].
-    #[arg(long, value_name = "DIR")]
-    pub run_dir: Option<PathBuf>,
-    /// libvcuda.so on the host, mounted read-only into every container.
-    #[arg(long, value_name = "PATH")]
-    pub library: Option<PathBuf>,
-    /// The oldest glibc that --library must load with. Every container preloads it, so the
-    /// manager refuses to start if it requires a newer GLIBC_ symbol version or a shared
-    /// object that is not glibc's own (as libgcc_s.so.1): in an image it could not load in,
-    /// every process of the pod would fail to start. A newer version is for nodes whose
-    /// images are all that new; `off` skips the check [default: 2.17, what
-    /// scripts/build-portable builds for].
-    #[arg(long, value_name = "VERSION|off")]
-    pub library_baseline: Option<String>,
-    /// NVML library to load (default: the system's libnvidia-ml.so.1).
-    #[arg(long, value_name = "PATH")]
-    pub nvml_library: Option<PathBuf>,
-    /// XIDs that do not mark a GPU unhealthy (comma-separated).
-    #[arg(long, value_delimiter = ',', value_name = "XID,...")]
-    pub xid_ignore: Option<Vec<u64>>,
-    /// Seconds without a new fatal XID after which an unhealthy GPU that answers NVML is
-    /// advertised healthy again.
-    #[arg(long, value_name = "SECONDS")]
-    pub recover_after: Option<u64>,
-    /// Where host processes' /proc entries are read (for checking a registering process's
-    /// cgroup); tests point it at a fake tree.
-    #[arg(long, value_name = "DIR")]
-    pub proc_root: Option<PathBuf>,
-    /// Kill the processes of a container the watchdog finds in violation: driver-reported
-    /// memory over its quota, or compute over its limit (see --watchdog-compute-window).
-    /// Default: report only, with a log line and a metric.
-    #[arg(long)]
-    pub watchdog_kill: bool,
-    /// The compute watchdog's window: a container whose driver-reported utilization,
-    /// averaged over this many seconds, exceeds its limit (its elastic limit, else its
-    /// share) by more than --watchdog-compute-margin is in violation [default: 10].
-    #[arg(long, value_name = "SECONDS")]
-    pub watchdog_compute_window: Option<u64>,
-    /// The compute watchdog's margin over the limit, in percentage points [default: 10].
-    #[arg(long, value_name = "PERCENT")]
-    pub watchdog_compute_margin: Option<u32>,
-    /// Elastic limits without an API server: `NAMESPACE/POD/CONTAINER=PERCENT` (repeatable);
-    /// the container may use up to PERCENT while the GPU idles (GPUManager's
-    /// `vcuda-core-limit`).
-    #[arg(long = "core-limit", value_name = "NS/POD/CONTAINER=PERCENT")]
-    pub core_limit: Vec<String>,
-    /// Where to serve Prometheus metrics (`GET /metrics`), `HOST:PORT`; `off` serves none
-    /// [default: 0.0.0.0:9395]. Port 0 picks a free port (the log says which).
-    #[arg(long, value_name = "ADDR")]
-    pub metrics_address: Option<String>,
-    /// Log filter (tracing's env-filter syntax), e.g. `info` or `vcuda_manager=debug`.
-    #[arg(long, value_name = "FILTER")]
-    pub log: Option<String>,
-    /// Whether to use the Kubernetes API server: `auto` uses it when a kubeconfig is given
-    /// or found (--kubeconfig, $KUBECONFIG, the in-cluster service account) and runs
-    /// without it otherwise; `on` refuses to start without it; `off` never uses it.
-    /// With it the manager publishes the node's GPUs (vcuda.io/gpus), follows the
-    /// scheduler's vcuda.io/assignment and allows vcuda.io/gpu-count splits [default: auto].
-    #[arg(long, value_name = "auto|on|off")]
-    pub api: Option<String>,
-    /// Kubeconfig file for the API server (default: in-cluster service account, then
-    /// $KUBECONFIG).
-    #[arg(long, value_name = "FILE")]
-    pub kubeconfig: Option<PathBuf>,
-    /// This node's name in the API server [default: $NODE_NAME, else the host name].
-    #[arg(long, value_name = "NAME")]
-    pub node_name: Option<String>,
+    /// Every setting, as given on the command line.
+    #[command(flatten)]
+    pub settings: Layer,
 }
 
-/// The settings file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct File {
-    device_plugin_dir: Option<PathBuf>,
-    pod_resources_socket: Option<PathBuf>,
-    kubelet_checkpoint: Option<PathBuf>,
-    domain: Option<String>,
-    state_dir: Option<PathBuf>,
-    run_dir: Option<PathBuf>,
-    library: Option<PathBuf>,
-    library_baseline: Option<String>,
-    nvml_library: Option<PathBuf>,
-    xid_ignore: Option<Vec<u64>>,
-    recover_after: Option<u64>,
-    proc_root: Option<PathBuf>,
-    watchdog_kill: Option<bool>,
-    watchdog_compute_window: Option<u64>,
-    watchdog_compute_margin: Option<u32>,
-    #[serde(default)]
-    core_limit: BTreeMap<String, u32>,
-    metrics_address: Option<String>,
-    log: Option<String>,
-    api: Option<String>,
-    kubeconfig: Option<PathBuf>,
-    node_name: Option<String>,
+/// How a value given on the command line goes over the file's (the one merge rule, by type).
+pub trait Overlay {
+    /// `self` (the file's) with `over` (the command line's) on top.
+    fn overlay(self, over: Self) -> Self;
+}
+
+/// A value given wins.
+impl<T> Overlay for Option<T> {
+    fn overlay(self, over: Self) -> Self {
+        over.or(self)
+    }
+}
+
+/// A switch set wins (a flag can only set it).
+impl Overlay for bool {
+    fn overlay(self, over: Self) -> Self {
+        self || over
+    }
+}
+
+/// A repeatable flag's entries come after the file's: [`Settings::resolve`] reads them in
+/// order, so for the same key the command line's wins.
+impl<T> Overlay for Vec<T> {
+    fn overlay(mut self, over: Self) -> Self {
+        self.extend(over);
+        self
+    }
+}
+
+/// Declares [`Layer`] from its fields and derives [`Layer::overlay`] from them: each field's
+/// own [`Overlay`], so no key has a merge of its own.
+macro_rules! layer {
+    ($(#[$meta:meta])* pub struct Layer { $($(#[$fmeta:meta])* pub $field:ident: $ty:ty,)* }) => {
+        $(#[$meta])*
+        pub struct Layer { $($(#[$fmeta])* pub $field: $ty,)* }
+
+        impl Layer {
+            /// `self` (the file's) with `over` (the command line's) on top, key by key.
+            pub fn overlay(self, over: Layer) -> Layer {
+                Layer { $($field: Overlay::overlay(self.$field, over.$field),)* }
+            }
+        }
+    };
+}
+
+layer! {
+    /// The settings as one source gives them — the command line (clap) or the settings file
+    /// (serde: keys are the field names, the flags with underscores). `None`, `false` or
+    /// empty: not given there.
+    #[derive(Debug, Clone, Default, Args, Deserialize)]
+    #[serde(default, deny_unknown_fields)]
+    pub struct Layer {
+        /// The kubelet's device-plugin directory (kubelet.sock lives there; our sockets go there).
+        #[arg(long, value_name = "DIR")]
+        pub device_plugin_dir: Option<PathBuf>,
+        /// The kubelet's PodResources socket.
+        #[arg(long, value_name = "PATH")]
+        pub pod_resources_socket: Option<PathBuf>,
+        /// The kubelet's device-manager checkpoint (read only, to learn pod UIDs).
+        #[arg(long, value_name = "PATH")]
+        pub kubelet_checkpoint: Option<PathBuf>,
+        /// Resource domain: resources are `<domain>/vcuda-core` and `<domain>/vcuda-memory`.
+        #[arg(long)]
+        pub domain: Option<String>,
+        /// Where the manager's checkpoint (allocations.jsonl) and the preload file are kept:
+        /// on disk, surviving reboots [default: /var/lib/vcuda].
+        #[arg(long, value_name = "DIR")]
+        pub state_dir: Option<PathBuf>,
+        /// Where each allocation's config and shared region, and the control socket, are made
+        /// (mounted into containers). Should be a tmpfs: the regions are shared memory written
+        /// thousands of times a second [default: /run/vcuda].
+        #[arg(long, value_name = "DIR")]
+        pub run_dir: Option<PathBuf>,
+        /// libvcuda.so on the host, mounted read-only into every container.
+        #[arg(long, value_name = "PATH")]
+        pub library: Option<PathBuf>,
+        /// The oldest glibc that --library must load with. Every container preloads it, so the
+        /// manager refuses to start if it requires a newer GLIBC_ symbol version or a shared
+        /// object that is not glibc's own (as libgcc_s.so.1): in an image it could not load in,
+        /// every process of the pod would fail to start. A newer version is for nodes whose
+        /// images are all that new; `off` skips the check [default: 2.17, what
+        /// scripts/build-portable builds for].
+        #[arg(long, value_name = "VERSION|off")]
+        pub library_baseline: Option<String>,
+        /// NVML library to load (default: the system's libnvidia-ml.so.1).
+        #[arg(long, value_name = "PATH")]
+        pub nvml_library: Option<PathBuf>,
+        /// XIDs that do not mark a GPU unhealthy (comma-separated).
+        #[arg(long, value_delimiter = ',', value_name = "XID,...")]
+        pub xid_ignore: Option<Vec<u64>>,
+        /// Seconds without a new fatal XID after which an unhealthy GPU that answers NVML is
+        /// advertised healthy again.
+        #[arg(long, value_name = "SECONDS")]
+        pub recover_after: Option<u64>,
+        /// Where host processes' /proc entries are read (for checking a registering process's
+        /// cgroup); tests point it at a fake tree.
+        #[arg(long, value_name = "DIR")]
+        pub proc_root: Option<PathBuf>,
+        /// Kill the processes of a container the watchdog finds in violation: driver-reported
+        /// memory over its quota, or compute over its limit (see --watchdog-compute-window).
+        /// Default: report only, with a log line and a metric.
+        #[arg(long)]
+        pub watchdog_kill: bool,
+        /// The compute watchdog's window: a container whose driver-reported utilization,
+        /// averaged over this many seconds, exceeds its limit (its elastic limit, else its
+        /// share) by more than --watchdog-compute-margin is in violation [default: 10].
+        #[arg(long, value_name = "SECONDS")]
+        pub watchdog_compute_window: Option<u64>,
+        /// The compute watchdog's margin over the limit, in percentage points [default: 10].
+        #[arg(long, value_name = "PERCENT")]
+        pub watchdog_compute_margin: Option<u32>,
+        /// Elastic limits without an API server: `NAMESPACE/POD/CONTAINER=PERCENT` (repeatable);
+        /// the container may use up to PERCENT while the GPU idles (GPUManager's
+        /// `vcuda-core-limit`).
+        #[arg(long = "core-limit", value_name = "NS/POD/CONTAINER=PERCENT")]
+        #[serde(deserialize_with = "core_limit_table")]
+        pub core_limit: Vec<CoreLimit>,
+        /// Where to serve Prometheus metrics (`GET /metrics`), `HOST:PORT`; `off` serves none
+        /// [default: 0.0.0.0:9395]. Port 0 picks a free port (the log says which).
+        #[arg(long, value_name = "ADDR")]
+        pub metrics_address: Option<String>,
+        /// Log filter (tracing's env-filter syntax), e.g. `info` or `vcuda_manager=debug`.
+        #[arg(long, value_name = "FILTER")]
+        pub log: Option<String>,
+        /// Whether to use the Kubernetes API server: `auto` uses it when a kubeconfig is given
+        /// or found (--kubeconfig, $KUBECONFIG, the in-cluster service account) and runs
+        /// without it otherwise; `on` refuses to start without it; `off` never uses it.
+        /// With it the manager publishes the node's GPUs (vcuda.io/gpus), follows the
+        /// scheduler's vcuda.io/assignment and allows vcuda.io/gpu-count splits [default: auto].
+        #[arg(long, value_name = "auto|on|off")]
+        pub api: Option<String>,
+        /// Kubeconfig file for the API server (default: in-cluster service account, then
+        /// $KUBECONFIG).
+        #[arg(long, value_name = "FILE")]
+        pub kubeconfig: Option<PathBuf>,
+        /// This node's name in the API server [default: $NODE_NAME, else the host name].
+        #[arg(long, value_name = "NAME")]
+        pub node_name: Option<String>,
+    }
+}
+
+/// One elastic limit: a `--core-limit` as typed (checked by [`Settings::resolve`], so a bad
+/// one is a [`SettingsError`]), or an entry of the file's `[core_limit]` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CoreLimit {
+    /// `NAMESPACE/POD/CONTAINER=PERCENT`, from the command line.
+    Spec(String),
+    /// `"namespace/pod/container" = percent`, from the file.
+    Entry { key: String, percent: u32 },
+}
+
+impl From<String> for CoreLimit {
+    fn from(spec: String) -> Self {
+        CoreLimit::Spec(spec)
+    }
+}
+
+/// The file's `[core_limit]` table, `"namespace/pod/container" = percent`.
+fn core_limit_table<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<CoreLimit>, D::Error> {
+    Ok(BTreeMap::<String, u32>::deserialize(d)?
+        .into_iter()
+        .map(|(key, percent)| CoreLimit::Entry { key, percent })
+        .collect())
 }
 
 /// Whether the manager talks to the API server.
@@ -252,17 +312,20 @@ impl Settings {
     pub fn load(flags: &Flags) -> Result<Settings, SettingsError> {
         let file = match &flags.config {
             Some(p) => read_file(p)?,
-            None => File::default(),
+            None => Layer::default(),
         };
-        let plugin_dir = pick(
-            &flags.device_plugin_dir,
-            &file.device_plugin_dir,
-            "/var/lib/kubelet/device-plugins",
-        );
-        let mut core_limit = file.core_limit.clone();
-        for spec in &flags.core_limit {
-            let (key, pct) = parse_core_limit(spec)?;
-            core_limit.insert(key, pct);
+        Settings::resolve(file.overlay(flags.settings.clone()))
+    }
+
+    /// The one place defaults are filled in and values checked.
+    pub fn resolve(given: Layer) -> Result<Settings, SettingsError> {
+        let mut core_limit = BTreeMap::new();
+        for limit in given.core_limit {
+            let (key, percent) = match limit {
+                CoreLimit::Spec(spec) => parse_core_limit(&spec)?,
+                CoreLimit::Entry { key, percent } => (key, percent),
+            };
+            core_limit.insert(key, percent);
         }
         for (k, v) in &core_limit {
             if k.split('/').count() != 3 || !(1..=100).contains(v) {
@@ -272,40 +335,28 @@ impl Settings {
                 });
             }
         }
-        let domain = flags
-            .domain
-            .clone()
-            .or(file.domain)
-            .unwrap_or_else(|| "tencent.com".into());
+        let domain = given.domain.unwrap_or_else(|| "tencent.com".into());
         if domain.is_empty() || domain.contains('/') || domain.ends_with("kubernetes.io") {
             return Err(SettingsError::Domain { domain });
         }
+        let device_plugin_dir = given
+            .device_plugin_dir
+            .unwrap_or_else(|| "/var/lib/kubelet/device-plugins".into());
         Ok(Settings {
-            kubelet_checkpoint: flags
+            kubelet_checkpoint: given
                 .kubelet_checkpoint
-                .clone()
-                .or(file.kubelet_checkpoint)
-                .unwrap_or_else(|| plugin_dir.join("kubelet_internal_checkpoint")),
-            device_plugin_dir: plugin_dir,
-            pod_resources_socket: pick(
-                &flags.pod_resources_socket,
-                &file.pod_resources_socket,
-                "/var/lib/kubelet/pod-resources/kubelet.sock",
-            ),
+                .unwrap_or_else(|| device_plugin_dir.join("kubelet_internal_checkpoint")),
+            device_plugin_dir,
+            pod_resources_socket: given
+                .pod_resources_socket
+                .unwrap_or_else(|| "/var/lib/kubelet/pod-resources/kubelet.sock".into()),
             domain,
-            state_dir: pick(&flags.state_dir, &file.state_dir, "/var/lib/vcuda"),
-            run_dir: pick(&flags.run_dir, &file.run_dir, "/run/vcuda"),
-            library: pick(
-                &flags.library,
-                &file.library,
-                "/usr/local/vcuda/lib64/libvcuda.so",
-            ),
-            library_baseline: match flags
-                .library_baseline
-                .clone()
-                .or(file.library_baseline)
-                .as_deref()
-            {
+            state_dir: given.state_dir.unwrap_or_else(|| "/var/lib/vcuda".into()),
+            run_dir: given.run_dir.unwrap_or_else(|| "/run/vcuda".into()),
+            library: given
+                .library
+                .unwrap_or_else(|| "/usr/local/vcuda/lib64/libvcuda.so".into()),
+            library_baseline: match given.library_baseline.as_deref() {
                 None => Some(crate::baseline::DEFAULT),
                 Some("off") => None,
                 Some(v) => Some(crate::baseline::parse_version(v).ok_or_else(|| {
@@ -314,33 +365,19 @@ impl Settings {
                     }
                 })?),
             },
-            nvml_library: flags.nvml_library.clone().or(file.nvml_library),
-            xid_ignore: flags
+            nvml_library: given.nvml_library,
+            xid_ignore: given
                 .xid_ignore
-                .clone()
-                .or(file.xid_ignore)
                 .unwrap_or_else(|| DEFAULT_XID_IGNORE.to_vec()),
-            recover_after: flags.recover_after.or(file.recover_after).unwrap_or(300),
-            proc_root: pick(&flags.proc_root, &file.proc_root, "/proc"),
-            watchdog_kill: flags.watchdog_kill || file.watchdog_kill.unwrap_or(false),
+            recover_after: given.recover_after.unwrap_or(300),
+            proc_root: given.proc_root.unwrap_or_else(|| "/proc".into()),
+            watchdog_kill: given.watchdog_kill,
             watchdog_compute_window: Duration::from_secs(
-                flags
-                    .watchdog_compute_window
-                    .or(file.watchdog_compute_window)
-                    .unwrap_or(10)
-                    .max(1),
+                given.watchdog_compute_window.unwrap_or(10).max(1),
             ),
-            watchdog_compute_margin: flags
-                .watchdog_compute_margin
-                .or(file.watchdog_compute_margin)
-                .unwrap_or(10),
+            watchdog_compute_margin: given.watchdog_compute_margin.unwrap_or(10),
             core_limit,
-            metrics_address: match flags
-                .metrics_address
-                .clone()
-                .or(file.metrics_address)
-                .as_deref()
-            {
+            metrics_address: match given.metrics_address.as_deref() {
                 Some("off") => None,
                 Some(a) => Some(a.parse().map_err(|source| SettingsError::MetricsAddress {
                     value: a.to_string(),
@@ -348,12 +385,8 @@ impl Settings {
                 })?),
                 None => Some(std::net::SocketAddr::from(([0, 0, 0, 0], 9395))),
             },
-            log: flags
-                .log
-                .clone()
-                .or(file.log)
-                .unwrap_or_else(|| "info".into()),
-            api: match flags.api.clone().or(file.api).as_deref() {
+            log: given.log.unwrap_or_else(|| "info".into()),
+            api: match given.api.as_deref() {
                 None | Some("auto") => ApiMode::Auto,
                 Some("on") => ApiMode::On,
                 Some("off") => ApiMode::Off,
@@ -363,11 +396,9 @@ impl Settings {
                     })
                 }
             },
-            kubeconfig: flags.kubeconfig.clone().or(file.kubeconfig),
-            node_name: flags
+            kubeconfig: given.kubeconfig,
+            node_name: given
                 .node_name
-                .clone()
-                .or(file.node_name)
                 .or_else(|| std::env::var("NODE_NAME").ok())
                 .filter(|n| !n.is_empty())
                 .or_else(|| {
@@ -391,13 +422,7 @@ impl Settings {
     }
 }
 
-fn pick(flag: &Option<PathBuf>, file: &Option<PathBuf>, default: &str) -> PathBuf {
-    flag.clone()
-        .or_else(|| file.clone())
-        .unwrap_or_else(|| PathBuf::from(default))
-}
-
-fn read_file(p: &Path) -> Result<File, SettingsError> {
+fn read_file(p: &Path) -> Result<Layer, SettingsError> {
     let text = std::fs::read_to_string(p).map_err(|source| SettingsError::ReadFile {
         path: p.to_path_buf(),
         source,
@@ -434,6 +459,8 @@ pub fn parse_core_limit(spec: &str) -> Result<(String, u32), SettingsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::CommandFactory;
+    use std::collections::BTreeSet;
 
     /// The settings file the shipped DaemonSet mounts (its ConfigMap) is one this manager
     /// reads, and it enforces the watchdog (manager/README.md, "Security model").
@@ -588,5 +615,158 @@ mod tests {
             matches!(&e, SettingsError::ReadFile { path, .. } if path.ends_with("m.toml")),
             "{e:?}"
         );
+    }
+
+    /// Every key, as (key, value x in TOML, x on the command line, another value y in TOML).
+    const EVERY_KEY: &[(&str, &str, &[&str], &str)] = &[
+        ("device_plugin_dir", "\"/a\"", &["/a"], "\"/b\""),
+        ("pod_resources_socket", "\"/a\"", &["/a"], "\"/b\""),
+        ("kubelet_checkpoint", "\"/a\"", &["/a"], "\"/b\""),
+        ("domain", "\"a.example\"", &["a.example"], "\"b.example\""),
+        ("state_dir", "\"/a\"", &["/a"], "\"/b\""),
+        ("run_dir", "\"/a\"", &["/a"], "\"/b\""),
+        ("library", "\"/a.so\"", &["/a.so"], "\"/b.so\""),
+        ("library_baseline", "\"2.28\"", &["2.28"], "\"off\""),
+        ("nvml_library", "\"/a.so\"", &["/a.so"], "\"/b.so\""),
+        ("xid_ignore", "[1, 2]", &["1,2"], "[3]"),
+        ("recover_after", "7", &["7"], "8"),
+        ("proc_root", "\"/a\"", &["/a"], "\"/b\""),
+        ("watchdog_kill", "true", &[], "false"),
+        ("watchdog_compute_window", "3", &["3"], "4"),
+        ("watchdog_compute_margin", "3", &["3"], "4"),
+        (
+            "core_limit",
+            "{ \"ns/p/c\" = 60 }",
+            &["ns/p/c=60"],
+            "{ \"ns/p/c\" = 70 }",
+        ),
+        (
+            "metrics_address",
+            "\"127.0.0.1:1\"",
+            &["127.0.0.1:1"],
+            "\"off\"",
+        ),
+        ("log", "\"debug\"", &["debug"], "\"warn\""),
+        ("api", "\"on\"", &["on"], "\"off\""),
+        ("kubeconfig", "\"/a\"", &["/a"], "\"/b\""),
+        ("node_name", "\"n1\"", &["n1"], "\"n2\""),
+    ];
+
+    /// The keys the flags accept: their long names with underscores (`--config` aside).
+    fn flag_keys() -> BTreeSet<String> {
+        Flags::command()
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .filter(|l| !["config", "help", "version"].contains(l))
+            .map(|l| l.replace('-', "_"))
+            .collect()
+    }
+
+    /// The keys the file accepts: the fields `Layer`'s `Deserialize` asks for, recorded by a
+    /// deserializer that only answers "which fields?".
+    fn file_keys() -> BTreeSet<String> {
+        use serde::de::{value::Error, Error as _, Visitor};
+        struct Fields;
+        impl<'de> Deserializer<'de> for Fields {
+            type Error = Error;
+            fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Error> {
+                Err(Error::custom("not a struct"))
+            }
+            fn deserialize_struct<V: Visitor<'de>>(
+                self,
+                _: &'static str,
+                fields: &'static [&'static str],
+                _: V,
+            ) -> Result<V::Value, Error> {
+                Err(Error::custom(fields.join(" ")))
+            }
+            serde::forward_to_deserialize_any! {
+                bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+                byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map
+                enum identifier ignored_any
+            }
+        }
+        let fields = Layer::deserialize(Fields).unwrap_err().to_string();
+        fields.split(' ').map(str::to_string).collect()
+    }
+
+    /// The file and the flags accept the same keys (they are one declaration), the file not
+    /// `config`; and the table below covers every one.
+    #[test]
+    fn the_file_and_the_flags_take_the_same_keys() {
+        let flags = flag_keys();
+        assert_eq!(flags.len(), 21, "{flags:?}");
+        assert_eq!(file_keys(), flags);
+        let table: BTreeSet<String> = EVERY_KEY.iter().map(|r| r.0.to_string()).collect();
+        assert_eq!(table, flags, "EVERY_KEY needs a row per key");
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("m.toml");
+        std::fs::write(&f, "config = \"/etc/other.toml\"\n").unwrap();
+        let e =
+            Settings::load(&Flags::parse_from(["m", "--config", f.to_str().unwrap()])).unwrap_err();
+        assert_eq!(e.kind(), "parse-file");
+        let e = e.to_string();
+        assert!(e.contains("config") && e.contains("m.toml"), "{e}");
+    }
+
+    /// For every key: the file's value and the flag's mean the same, the file's wins over
+    /// the default, and the flag's wins over the file's.
+    #[test]
+    fn for_every_key_the_flag_wins_over_the_file_over_the_default() {
+        let d = tempfile::tempdir().unwrap();
+        let load = |file: Option<String>, flag: Option<(&str, &[&str])>| {
+            let mut args = vec!["m".to_string()];
+            if let Some(text) = file {
+                let f = d.path().join("m.toml");
+                std::fs::write(&f, text).unwrap();
+                args.extend(["--config".into(), f.to_str().unwrap().into()]);
+            }
+            if let Some((key, values)) = flag {
+                args.push(format!("--{}", key.replace('_', "-")));
+                args.extend(values.iter().map(|v| v.to_string()));
+            }
+            format!("{:?}", Settings::load(&Flags::parse_from(&args)).unwrap())
+        };
+        let default = load(None, None);
+        for &(key, x, x_flag, y) in EVERY_KEY {
+            let file_x = load(Some(format!("{key} = {x}\n")), None);
+            let flag_x = load(None, Some((key, x_flag)));
+            assert_eq!(
+                file_x, flag_x,
+                "{key}: the file's {x} and the flag's differ"
+            );
+            assert_ne!(file_x, default, "{key}: the file's {x} made no difference");
+            let file_y = load(Some(format!("{key} = {y}\n")), None);
+            assert_ne!(file_y, flag_x, "{key}: pick a y unlike {x}");
+            let both = load(Some(format!("{key} = {y}\n")), Some((key, x_flag)));
+            assert_eq!(both, flag_x, "{key}: the flag did not win over the file");
+        }
+    }
+
+    /// A `[default: V]` in a flag's help is the default: giving `--flag V` changes nothing.
+    #[test]
+    fn the_defaults_in_the_help_are_true() {
+        let default = format!("{:?}", Settings::load(&Flags::default()).unwrap());
+        let command = Flags::command();
+        let mut checked = Vec::new();
+        for arg in command.get_arguments() {
+            let help = arg
+                .get_long_help()
+                .or(arg.get_help())
+                .map(|h| h.to_string());
+            let Some((_, shown)) = help.as_deref().and_then(|h| h.split_once("[default: ")) else {
+                continue;
+            };
+            let value = shown.split([']', ',']).next().unwrap();
+            if value.starts_with('$') {
+                continue; // from the environment ($NODE_NAME)
+            }
+            let long = arg.get_long().unwrap();
+            let flags = Flags::parse_from(["m", &format!("--{long}"), value]);
+            let given = format!("{:?}", Settings::load(&flags).unwrap());
+            assert_eq!(given, default, "--{long}: its help says [default: {value}]");
+            checked.push(long);
+        }
+        assert!(checked.len() >= 7, "{checked:?}");
     }
 }
