@@ -33,8 +33,8 @@ fn api(f: impl FnOnce() -> c_int) -> c_int {
 /// problem; the reason was printed on stderr).
 #[unsafe(no_mangle)]
 pub extern "C" fn vcuda_device_count() -> c_int {
-    api(|| match crate::init::vc() {
-        Ok(v) => crate::conv::i32_sat(v.limits.len()),
+    api(|| match crate::state::vc() {
+        Ok(v) => crate::conv::i32_sat(v.gpu_count()),
         Err(_) => REFUSED,
     })
 }
@@ -47,21 +47,21 @@ pub extern "C" fn vcuda_device_count() -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn vcuda_get_memory(index: c_int, out: *mut VcudaMemory) -> c_int {
     api(|| {
-        let Ok(v) = crate::init::vc() else {
+        let Ok(v) = crate::state::vc() else {
             return REFUSED;
         };
-        let Some(dev) = usize::try_from(index).ok().filter(|&d| d < v.limits.len()) else {
+        let Some(dev) = usize::try_from(index).ok().filter(|&d| d < v.gpu_count()) else {
             return -2;
         };
         if out.is_null() {
             return -2;
         }
-        let (api, hidden) = v.region.mine(v.me(), dev);
+        let (api, hidden) = v.held_by_me(dev);
         // SAFETY: out is non-NULL and, by the caller's contract, writable.
         unsafe {
             out.write(VcudaMemory {
-                limit_bytes: v.limit(dev),
-                used_bytes: v.region.used(dev),
+                limit_bytes: v.quota_of(dev),
+                used_bytes: v.used_on(dev),
                 process_bytes: api + hidden,
             })
         };

@@ -8,12 +8,10 @@
 //! `oom_refusals`, as every refusal for the quota is).
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
-use std::sync::atomic::Ordering::Relaxed;
 
 use crate::ffi::*;
-use crate::init::{cuda, Vcuda};
 use crate::log::{log, DEBUG};
-use crate::memory::refuse_for_quota;
+use crate::state::{cuda, Cost, Vcuda};
 
 hooks! {
     Cuda fn cuInit(flags: c_uint) -> CUresult => init;
@@ -41,26 +39,10 @@ hooks! {
 
 const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 
-/// The pid the driver knows this process by (the manager tells us the host pid when
-/// namespaces differ; standalone, ours).
-pub(crate) fn driver_pid(v: &Vcuda) -> u32 {
-    let me = v.me();
-    let host = v
-        .region
-        .slots()
-        .get(me.index as usize)
-        .map_or(0, |s| s.host_pid.load(Relaxed));
-    if host != 0 {
-        host
-    } else {
-        std::process::id()
-    }
-}
-
 /// What the driver charges this process on `dev`, from NVML.
 fn driver_used(v: &Vcuda, dev: usize) -> Option<u64> {
-    let handle = crate::nvml::real_handle(v, dev)?;
-    let pid = driver_pid(v);
+    let handle = v.nvml_handle(dev)?;
+    let pid = v.driver_pid();
     let mut buf = vec![nvmlProcessInfo_t::default(); 64];
     for _ in 0..4 {
         let mut n = crate::conv::u32_sat(buf.len());
@@ -106,21 +88,20 @@ fn driver_used(v: &Vcuda, dev: usize) -> Option<u64> {
 /// hidden count is only raised (`Raise`); after a teardown, which lowers the true figure, it
 /// is set (`Set`). Returns (before, after), or `None` without NVML or a clean reading.
 fn measure_hidden(v: &Vcuda, dev: usize, pending: u64, how: Update) -> Option<(u64, u64)> {
-    let me = v.me();
     // Only a reading during which this process reserved and released nothing is used: an
     // allocation or free between the driver and our counter would skew it.
     for _ in 0..16 {
-        let before_raw = v.region.api_raw(me, dev);
+        let before_raw = v.api_raw(dev);
         let used = driver_used(v, dev)?;
-        if v.region.api_raw(me, dev) != before_raw {
+        if v.api_raw(dev) != before_raw {
             std::thread::yield_now();
             continue;
         }
         let api = before_raw & vcuda_contract::region::API_BYTES;
         let hidden = used.saturating_sub(api.saturating_sub(pending));
         let before = match how {
-            Update::Raise => v.region.raise_hidden(me, dev, hidden),
-            Update::Set => v.region.set_hidden(me, dev, hidden),
+            Update::Raise => v.raise_hidden(dev, hidden),
+            Update::Set => v.set_hidden(dev, hidden),
         };
         return Some((
             before,
@@ -151,15 +132,9 @@ fn remeasure(v: &Vcuda, dev: usize) {
 }
 
 fn remeasure_all(v: &Vcuda) {
-    for d in 0..v.limits.len() {
+    for d in 0..v.gpu_count() {
         remeasure(v, d);
     }
-}
-
-#[derive(Clone, Copy)]
-enum Cost {
-    Context,
-    Module,
 }
 
 /// What a context is held at while none has been measured in the region yet: above what one
@@ -176,20 +151,16 @@ fn costed(
     make: impl FnOnce() -> CUresult,
     undo: impl FnOnce(),
 ) -> CUresult {
-    let learned = match what {
-        Cost::Context => &v.region.header().ctx_cost[dev],
-        Cost::Module => &v.region.header().module_cost[dev],
-    };
-    let learned_cost = learned.load(Relaxed);
+    let learned_cost = v.learned_cost(what, dev);
     // The first context of a fresh region has no learned cost: hold a provisional one while
     // it is made, or the container's other processes could fill the quota meanwhile and the
     // context would take it past (by up to a context, seen in kill storms).
     let est = match what {
-        Cost::Context if learned_cost == 0 => FIRST_CONTEXT_GUESS.min(v.limit(dev)),
+        Cost::Context if learned_cost == 0 => FIRST_CONTEXT_GUESS.min(v.quota_of(dev)),
         _ => learned_cost,
     };
     if est > 0 && !v.reserve(dev, est) {
-        return refuse_for_quota(v, dev);
+        return v.refuse_for_quota(dev);
     }
     let free_before = real_free(v, dev);
     let rc = make();
@@ -205,17 +176,15 @@ fn costed(
             let c = free_before
                 .zip(real_free(v, dev))
                 .map_or(est, |(b, a)| b.saturating_sub(a));
-            let me = v.me();
-            let (_, h) = v.region.mine(me, dev);
-            v.region.set_hidden(me, dev, h + c);
+            v.add_hidden(dev, c);
             c
         }
     };
     v.release(dev, est);
     if cost > 0 {
-        learned.fetch_max(cost, Relaxed);
+        v.learn_cost(what, dev, cost);
     }
-    let used = v.region.used(dev);
+    let used = v.used_on(dev);
     log!(
         DEBUG,
         "{} cost {cost} bytes on GPU {dev}; container uses {used} of {}",
@@ -223,12 +192,12 @@ fn costed(
             Cost::Context => "context",
             Cost::Module => "module",
         },
-        v.limit(dev)
+        v.quota_of(dev)
     );
-    if used > v.limit(dev) {
+    if used > v.quota_of(dev) {
         undo();
         remeasure(v, dev);
-        return refuse_for_quota(v, dev);
+        return v.refuse_for_quota(dev);
     }
     CUDA_SUCCESS
 }
@@ -240,7 +209,7 @@ fn costed(
 /// was counted at the provisional 512 MiB instead of what it cost. `cuMemGetInfo` after
 /// that (no NVML).
 fn real_free(v: &Vcuda, dev: usize) -> Option<u64> {
-    if let Some(handle) = crate::nvml::real_handle(v, dev) {
+    if let Some(handle) = v.nvml_handle(dev) {
         let mut m = nvmlMemory_t::default();
         if ext!(
             NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -261,9 +230,9 @@ unsafe fn init(flags: c_uint) -> CUresult {
         Ok(v) => v,
         Err(e) => return e,
     };
-    crate::init::restrict_visible_devices(&v.cfg);
-    let assigned = v.cfg.uuids();
-    let expected = crate::init::compose_visible(
+    v.restrict_visible_devices();
+    let assigned = v.assigned_uuids();
+    let expected = crate::visible::compose_visible(
         std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
         &assigned,
     );
@@ -304,7 +273,7 @@ unsafe fn init(flags: c_uint) -> CUresult {
 
 /// The driver lacks a GPU the config assigns: refuse GPU use and say which.
 fn refuse(v: &Vcuda, expected: &[usize], shown: &[[u8; 16]]) -> CUresult {
-    let assigned = v.cfg.uuids();
+    let assigned = v.assigned_uuids();
     let missing: Vec<String> = expected
         .iter()
         .filter(|&&i| !shown.contains(&assigned[i]))
@@ -376,7 +345,7 @@ unsafe fn ctx_create_v4(
 /// After a context went away (with everything allocated in it): forget the allocations the
 /// driver freed with it and re-measure hidden memory.
 fn after_teardown(v: &Vcuda) {
-    for (ptr, rec) in v.allocs.entries() {
+    for (ptr, rec) in v.live_allocs() {
         let mut size: usize = 0;
         let alive = ext!(
             MISSING,
@@ -386,13 +355,11 @@ fn after_teardown(v: &Vcuda) {
                 ptr
             )
         ) == CUDA_SUCCESS;
-        if !alive && v.allocs.remove(ptr).is_some() && rec.kind == crate::table::Kind::Reserved {
+        if !alive && v.forget_alloc(ptr).is_some() && rec.kind == crate::table::Kind::Reserved {
             v.release(rec.dev as usize, rec.size);
         }
     }
-    let arrays: Vec<(usize, (u64, usize))> =
-        v.objs.lock().arrays.iter().map(|(&k, &e)| (k, e)).collect();
-    for (a, (bytes, dev)) in arrays {
+    for a in v.arrays() {
         let mut d = CUDA_ARRAY_DESCRIPTOR {
             width: 0,
             height: 0,
@@ -400,13 +367,11 @@ fn after_teardown(v: &Vcuda) {
             num_channels: 0,
         };
         // Mipmapped arrays have no descriptor query; keep them (their context is rarely reset).
-        if ext!(MISSING, cuArrayGetDescriptor_v2(&mut d, a as CUarray)) == 400
-            && v.objs.lock().arrays.remove(&a).is_some()
-        {
-            v.release(dev, bytes);
+        if ext!(MISSING, cuArrayGetDescriptor_v2(&mut d, a as CUarray)) == 400 {
+            v.forget_array(a);
         }
     }
-    crate::memory::refresh_pools(v);
+    v.refresh_pools();
     remeasure_all(v);
 }
 
@@ -509,10 +474,10 @@ unsafe fn set_limit(limit: u32, value: usize) -> CUresult {
         return rc;
     };
     remeasure(v, dev);
-    if v.region.used(dev) > v.limit(dev) && had_old {
+    if v.used_on(dev) > v.quota_of(dev) && had_old {
         forward!(MISSING, cuCtxSetLimit(limit, old));
         remeasure(v, dev);
-        return refuse_for_quota(v, dev);
+        return v.refuse_for_quota(dev);
     }
     rc
 }

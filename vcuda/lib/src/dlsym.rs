@@ -10,11 +10,30 @@
 //! `decide` never allocates and takes no lock: `dlsym` can be called from anywhere,
 //! including another interposer's `malloc`.
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::OnceLock;
 
 use crate::hooks;
+
+thread_local! {
+    /// Set while libvcuda itself looks symbols up, so our own dlsym hook stays out of it.
+    static OWN_LOOKUP: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is inside [`with_own_lookup`] (or its thread-locals are gone).
+pub fn in_own_lookup() -> bool {
+    OWN_LOOKUP.try_with(|c| c.get()).unwrap_or(true)
+}
+
+/// Run `f` (libvcuda's own lookups: start-up) with our dlsym hook out of the way.
+pub fn with_own_lookup<T>(f: impl FnOnce() -> T) -> T {
+    let _ = OWN_LOOKUP.try_with(|c| c.set(true));
+    let r = f();
+    let _ = OWN_LOOKUP.try_with(|c| c.set(false));
+    r
+}
 
 /// The real `dlsym`, found with `dlvsym` (never through ourselves). Read by the trampoline.
 static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
@@ -101,7 +120,7 @@ fn is_real_library(base: &[u8], configured: Option<&[Box<[u8]>; 2]>) -> bool {
 /// symbol looked up in the real libraries (or globally), else 0 = "ask the real dlsym".
 extern "C" fn decide(handle: *mut c_void, name: *const c_char) -> usize {
     find_real_dlsym();
-    if name.is_null() || crate::init::in_own_lookup() {
+    if name.is_null() || in_own_lookup() {
         return 0;
     }
     // SAFETY: dlsym's contract: name is a NUL-terminated string.

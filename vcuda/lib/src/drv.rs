@@ -42,3 +42,18 @@ pub fn ctx_ordinal() -> Option<CUdevice> {
     let mut d: CUdevice = -1;
     (ext!(CUDA_ERROR_NOT_SUPPORTED, cuCtxGetDevice(&mut d)) == CUDA_SUCCESS).then_some(d)
 }
+
+/// A memory pool's attribute `attr` (a `u64` one), as the driver reports it.
+pub(crate) fn pool_attr(pool: CUmemoryPool, attr: u32) -> Option<u64> {
+    let mut val: u64 = 0;
+    (ext!(
+        CUDA_ERROR_NOT_SUPPORTED,
+        cuMemPoolGetAttribute(pool, attr, (&mut val as *mut u64).cast())
+    ) == CUDA_SUCCESS)
+        .then_some(val)
+}
+
+/// What the pool has reserved from the device, as the driver reports it.
+pub(crate) fn pool_reserved(pool: CUmemoryPool) -> Option<u64> {
+    pool_attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+}

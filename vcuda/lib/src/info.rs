@@ -7,7 +7,7 @@ use std::ffi::c_uint;
 
 use crate::conv::{u32_sat, u64_of, usize_of};
 use crate::ffi::*;
-use crate::init::{cuda, Vcuda};
+use crate::state::{cuda, Vcuda};
 
 hooks! {
     Cuda fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> CUresult => mem_info_v1;
@@ -20,8 +20,8 @@ const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 
 /// (free, total) as the container sees them, from the driver's (free, total) on `dev`.
 pub fn virtual_info(v: &Vcuda, dev: usize, real_free: u64, real_total: u64) -> (u64, u64) {
-    let total = v.limit(dev).min(real_total);
-    let free = total.saturating_sub(v.region.used(dev)).min(real_free);
+    let total = v.quota_of(dev).min(real_total);
+    let free = total.saturating_sub(v.used_on(dev)).min(real_free);
     (free, total)
 }
 
@@ -79,7 +79,7 @@ unsafe fn total_mem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
     if rc == CUDA_SUCCESS && !bytes.is_null() {
         if let Some(d) = v.dev_of_ordinal(dev) {
             // SAFETY: the driver wrote the (non-NULL) output.
-            unsafe { *bytes = usize_of(u64_of(*bytes).min(v.limit(d))) };
+            unsafe { *bytes = usize_of(u64_of(*bytes).min(v.quota_of(d))) };
         }
     }
     rc
@@ -94,7 +94,7 @@ unsafe fn total_mem_v1(bytes: *mut c_uint, dev: CUdevice) -> CUresult {
     if rc == CUDA_SUCCESS && !bytes.is_null() {
         if let Some(d) = v.dev_of_ordinal(dev) {
             // SAFETY: the driver wrote the (non-NULL) output.
-            unsafe { *bytes = u32_sat(u64::from(*bytes).min(v.limit(d))) };
+            unsafe { *bytes = u32_sat(u64::from(*bytes).min(v.quota_of(d))) };
         }
     }
     rc

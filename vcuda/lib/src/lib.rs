@@ -7,7 +7,12 @@
 //!   to the real function, and the entry `dlsym` / `cuGetProcAddress` substitution uses.
 //! - [`dlsym`]: the `dlsym` hook (a naked trampoline that tail-jumps to the real `dlsym`, so
 //!   `RTLD_NEXT` keeps its caller) and the loading of the real libraries.
-//! - [`init`]: the process-wide state, started on the first CUDA/NVML call; fails closed.
+//! - [`state`]: the process-wide state (`Vcuda`, private fields behind methods that keep the
+//!   books) and `vc()`/`cuda()`/`nvml()`, which every wrapper starts from; below the wrappers.
+//! - [`init`]: making that state on the first CUDA/NVML call (fails closed), the library
+//!   constructor, the background threads; the top: it names every module ([`LIFECYCLE`]).
+//! - [`hook`]: what one hook is, and the real address → wrapper index; [`visible`]: which
+//!   GPUs the driver shows; [`buckets`]: the limiter's per-process state.
 //! - [`table`]: the lock-free pointer → size table of live allocations.
 //! - [`limit`]: the compute limiter's launch hooks, token buckets and controller thread
 //!   (its maths is the `vcuda-limiter` crate).
@@ -67,10 +72,10 @@ macro_rules! hooks {
 
         /// Look this module's wrapped functions up in the real libraries.
         #[allow(unused_variables)]
-        pub(crate) fn load_real(lookup: &dyn Fn($crate::hooks::Lib, &std::ffi::CStr) -> *mut std::ffi::c_void) {
+        pub(crate) fn load_real(lookup: &dyn Fn($crate::hook::Lib, &std::ffi::CStr) -> *mut std::ffi::c_void) {
             let _ = REAL.set(Real {
                 $( $name: {
-                    let p = lookup($crate::hooks::Lib::$lib, $crate::hooks::cstr(concat!(stringify!($name), "\0")));
+                    let p = lookup($crate::hook::Lib::$lib, $crate::hook::cstr(concat!(stringify!($name), "\0")));
                     if p.is_null() {
                         None
                     } else {
@@ -83,10 +88,10 @@ macro_rules! hooks {
         }
 
         /// This module's hooks.
-        pub(crate) static HOOKS: &[$crate::hooks::Hook] = &[
-            $( $crate::hooks::Hook {
+        pub(crate) static HOOKS: &[$crate::hook::Hook] = &[
+            $( $crate::hook::Hook {
                 name: concat!(stringify!($name), "\0"),
-                lib: $crate::hooks::Lib::$lib,
+                lib: $crate::hook::Lib::$lib,
                 wrapper: $name as *const (),
             }, )*
         ];
@@ -122,10 +127,10 @@ macro_rules! externs {
             EXT.get().expect("libvcuda: real functions used before start-up")
         }
 
-        pub(crate) fn load_ext(lookup: &dyn Fn($crate::hooks::Lib, &std::ffi::CStr) -> *mut std::ffi::c_void) {
+        pub(crate) fn load_ext(lookup: &dyn Fn($crate::hook::Lib, &std::ffi::CStr) -> *mut std::ffi::c_void) {
             let _ = EXT.set(Ext {
                 $( $name: {
-                    let p = lookup($crate::hooks::Lib::$lib, $crate::hooks::cstr(concat!(stringify!($name), "\0")));
+                    let p = lookup($crate::hook::Lib::$lib, $crate::hook::cstr(concat!(stringify!($name), "\0")));
                     if p.is_null() {
                         None
                     } else {
@@ -150,12 +155,14 @@ macro_rules! ext {
     };
 }
 
+pub mod buckets;
 pub mod capi;
 pub mod context;
 pub mod conv;
 pub mod dlsym;
 pub mod drv;
 pub mod ffi;
+pub mod hook;
 pub mod hooks;
 pub mod info;
 pub mod init;
@@ -166,4 +173,14 @@ pub mod nvml;
 pub mod procaddr;
 pub mod quota;
 pub mod register;
+pub mod state;
 pub mod table;
+pub mod visible;
+
+/// How `state` makes the process state on the first CUDA/NVML call and renews it in a forked
+/// child: `init`'s, which needs every module. Named here, at the root, so that `state`
+/// (below every wrapper) names nothing above it.
+pub(crate) static LIFECYCLE: state::Lifecycle = state::Lifecycle {
+    start: init::start,
+    after_fork: init::after_fork,
+};

@@ -12,40 +12,24 @@
 //! that slept adds the time it waited to the region's `throttled_ns` for its GPU (one
 //! relaxed `fetch_add` on the container's shared line, only on this path).
 //!
-//! **Bucket layout** ([`Bucket`], one per GPU, 128-byte aligned so GPUs do not share a
-//! line). All fields are independent counters or settings, so every access is `Relaxed`:
-//! nothing is published through them, and a stale read costs at most one launch's
-//! admission at the old cost or rate, corrected on the next refill.
-//! - `tokens`: device-ns balance, may go negative by what waiting launches already paid;
-//! - `cost[class]`: device-ns charged per launch (kernel, graph); 0 = not throttled;
-//! - `rate`: device-ns earned per wall-ns, ppm;
-//! - `last_refill`: monotonic ns of the last refill (a CAS elects one refiller); 0 until
-//!   the first throttled launch, so nothing is banked before it;
-//! - `refilled`: total tokens ever added, so paid = refilled - tokens without a counter on
-//!   the hot path;
-//! - `waits`: launches that had to wait (the controller reads it as "hungry");
-//! - `waiting`: what launches still waiting have been charged (not yet paid for work that
-//!   can run, so the calibration leaves it out);
-//! - `debts`: every debt charged to the bucket so far (the ledger's, less its refunds, and
-//!   the markers'), so what launches paid = paid - debts;
-//! - `others`: the fraction of the device other processes used in the newest NVML sample,
-//!   ppm (the markers read it); `sampled`: there was such a sample (else `others` is 0
-//!   for want of one);
-//!   Launches admitted before their cost is known (arming and running the probe) are charged
-//!   what the probe measures once it has.
+//! The buckets, probes and markers themselves (and the buckets' layout) are `buckets`',
+//! held by the process state (`Vcuda::limiter`).
 
 use std::ffi::{c_int, c_uint, c_void};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use vcuda_contract::config::MAX_GPUS;
 use vcuda_limiter as lim;
 
+use crate::buckets::{
+    destroy_events, mono_ns, wall_us, Bucket, MarkerSet, Probe, Reached, Stamp, CLASSES,
+};
+pub use crate::buckets::{GRAPH, KERNEL};
 use crate::conv::{f64_to_i64, f64_to_u64, signed, u64_clamped, unsigned};
 use crate::ffi::*;
-use crate::init::{cuda, Vcuda};
 use crate::log::{log, DEBUG, INFO, WARN};
+use crate::state::{cuda, Vcuda};
 
 hooks! {
     Cuda fn cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_kernel;
@@ -62,11 +46,6 @@ hooks! {
 
 const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 
-/// Launch classes: kernels, and graphs (whose launches cost many kernels).
-pub const KERNEL: usize = 0;
-pub const GRAPH: usize = 1;
-const CLASSES: usize = 2;
-
 /// Controller period.
 const TICK: Duration = Duration::from_millis(50);
 /// Longest single sleep of a throttled launch, so share changes reach sleepers quickly.
@@ -77,131 +56,6 @@ const ACTIVE_NS: u64 = 1_000_000_000;
 const PROBE_TIMEOUT_NS: u64 = 5_000_000_000;
 /// Longest a launch waits for the probe of an earlier one.
 const PROBE_WAIT_NS: u64 = 200_000_000;
-
-/// One GPU's token bucket (see the module docs for the layout and orderings).
-#[repr(C, align(128))]
-#[derive(Default)]
-pub struct Bucket {
-    tokens: AtomicI64,
-    cost: [AtomicU64; CLASSES],
-    rate: AtomicU64,
-    last_refill: AtomicU64,
-    refilled: AtomicU64,
-    waits: AtomicU64,
-    waiting: AtomicI64,
-    debts: AtomicI64,
-    others: AtomicU64,
-    sampled: AtomicBool,
-}
-
-/// The first-launch probe of one GPU and class: device time of one launch, timed with
-/// events around it.
-#[derive(Clone, Copy, Default)]
-enum Probe {
-    /// Not tried yet (or abandoned because its context went away): the next throttled
-    /// launch is admitted free and arms the probe.
-    #[default]
-    Idle,
-    /// The launch after the arming one is probed: its start event then completes when the
-    /// arming kernel ends, so the probe times the kernel, not the host's gap between calls
-    /// (unless the kernels are shorter than that gap, when the gap is what they occupy).
-    /// `free`: launches admitted so far without being charged.
-    Armed { free: u32 },
-    /// Events recorded around a launch at `since` (monotonic ns); `free` launches (this one
-    /// included) wait to be charged its measurement.
-    Pending {
-        start: usize,
-        end: usize,
-        since: u64,
-        free: u32,
-    },
-    /// Measured, or failed for good.
-    Done,
-}
-
-/// The limiter state of a process.
-pub struct Limiter {
-    gpus: [Bucket; MAX_GPUS],
-    /// Probe states; taken only on the slow path.
-    probes: Mutex<[[Probe; CLASSES]; MAX_GPUS]>,
-    /// A probe's (or a marker window's) measurement (ns) for the controller to take over,
-    /// 0 = none.
-    probed: [[AtomicU64; CLASSES]; MAX_GPUS],
-    /// When marker windows last raised the kernel price (wall µs, 0 = not since the
-    /// controller looked), and whether the process was then known to be alone on the GPU
-    /// (NVML showed no other process's work): the calibration reads the NVML period
-    /// holding the raise as a filling one, and holds an alone process's raised price as a
-    /// floor ([`lim::Calibrator::raised_at`]).
-    raised_us: [AtomicU64; MAX_GPUS],
-    raised_alone: [AtomicBool; MAX_GPUS],
-    /// Markers per GPU; taken only on the slow path, never held while sleeping.
-    markers: Mutex<[MarkerSet; MAX_GPUS]>,
-    /// When this limiter (or, in a forked child, its fresh start) was made, wall µs: before
-    /// any launch, so nothing was paid or queued then (the ledger's origin).
-    born_us: AtomicU64,
-}
-
-impl Limiter {
-    /// Buckets for the container's GPUs: throttled at the configured share unless exclusive.
-    pub fn new(cores: &[u32]) -> Limiter {
-        let l = Limiter {
-            gpus: Default::default(),
-            probes: Mutex::new([[Probe::Idle; CLASSES]; MAX_GPUS]),
-            probed: Default::default(),
-            raised_us: Default::default(),
-            raised_alone: Default::default(),
-            markers: Mutex::new(Default::default()),
-            born_us: AtomicU64::new(wall_us()),
-        };
-        for (dev, &core) in cores.iter().enumerate().take(MAX_GPUS) {
-            let b = &l.gpus[dev];
-            let share = u64::from(core) * (lim::PPM / 100);
-            b.rate.store(share.min(lim::PPM), Relaxed);
-            if share < lim::PPM {
-                for c in &b.cost {
-                    c.store(f64_to_u64(lim::INITIAL_COST_NS), Relaxed);
-                }
-            }
-        }
-        l
-    }
-
-    /// In a forked child: a fresh start (the parent's events and figures are not ours).
-    pub fn reset_after_fork(&self) {
-        for b in &self.gpus {
-            b.tokens.store(0, Relaxed);
-            b.last_refill.store(0, Relaxed);
-            b.refilled.store(0, Relaxed);
-            b.waits.store(0, Relaxed);
-            b.waiting.store(0, Relaxed);
-            b.debts.store(0, Relaxed);
-        }
-        self.born_us.store(wall_us(), Relaxed);
-        *self.probes.lock() = [[Probe::Idle; CLASSES]; MAX_GPUS];
-        // The parent's events are not the child's to use or destroy.
-        for m in self.markers.lock().iter_mut() {
-            m.forget();
-        }
-    }
-}
-
-/// Monotonic clock, ns (vDSO: no system call).
-fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: ts is a valid out-pointer for the duration of the call.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    unsigned(ts.tv_sec) * 1_000_000_000 + unsigned(ts.tv_nsec)
-}
-
-/// Wall clock, µs (NVML stamps its samples with it).
-fn wall_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-}
 
 /// What the slow path asks the wrapper to do after the real launch.
 pub enum Ticket {
@@ -234,7 +88,7 @@ fn admit_on(
     ptsz: bool,
     probe: bool,
 ) -> Ticket {
-    let Some(b) = v.limiter.gpus.get(dev) else {
+    let Some(b) = v.limiter().gpus.get(dev) else {
         return Ticket::Go;
     };
     let cost = b.cost[class].load(Relaxed);
@@ -313,7 +167,7 @@ fn refill(b: &Bucket, now: u64) {
 #[cold]
 #[inline(never)]
 fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe: bool) -> Ticket {
-    let b = &v.limiter.gpus[dev];
+    let b = &v.limiter().gpus[dev];
     // Work captured into a graph does not run now: refund it, never wait or probe in it.
     let mut capturing: u32 = 0;
     if ext!(MISSING, cuStreamIsCapturing(stream, &mut capturing)) == CUDA_SUCCESS && capturing != 0
@@ -383,7 +237,7 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
     if slept {
         // The time actually slept (oversleeping included), from the readings the loop took
         // anyway: its first one and the one it left on. No extra clock read.
-        v.region.add_throttled_ns(dev, left.saturating_sub(entered));
+        v.add_throttled_ns(dev, left.saturating_sub(entered));
     }
     Ticket::Go
 }
@@ -391,11 +245,13 @@ fn slow(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream, probe:
 /// On the first throttled launch of a class on a GPU: record a start event before it and
 /// ask the wrapper to record the end event after it.
 fn start_probe(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream) -> Option<Ticket> {
-    let mut probes = v.limiter.probes.lock();
+    let mut probes = v.limiter().probes.lock();
     let free = match probes[dev][class] {
         Probe::Idle => {
             probes[dev][class] = Probe::Armed { free: 1 };
-            v.limiter.gpus[dev].tokens.fetch_add(signed(cost), Relaxed);
+            v.limiter().gpus[dev]
+                .tokens
+                .fetch_add(signed(cost), Relaxed);
             return Some(Ticket::Go);
         }
         Probe::Armed { free } => free,
@@ -412,7 +268,7 @@ fn start_probe(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream)
             "GPU {dev}: cannot time the first launch with events; calibrating from NVML alone"
         );
         // The arming launch pays the starting guess after all.
-        charge(&v.limiter.gpus[dev], free, cost);
+        charge(&v.limiter().gpus[dev], free, cost);
         probes[dev][class] = Probe::Done;
         return None;
     }
@@ -423,7 +279,9 @@ fn start_probe(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream)
         free: free + 1,
     };
     // The probed launch is admitted now and charged what it measures once it has run.
-    v.limiter.gpus[dev].tokens.fetch_add(signed(cost), Relaxed);
+    v.limiter().gpus[dev]
+        .tokens
+        .fetch_add(signed(cost), Relaxed);
     Some(Ticket::Probe { dev, class, stream })
 }
 
@@ -431,14 +289,6 @@ fn start_probe(v: &Vcuda, dev: usize, class: usize, cost: u64, stream: CUstream)
 fn charge(b: &Bucket, n: u32, cost: u64) {
     b.tokens
         .fetch_sub(i64::from(n).saturating_mul(signed(cost)), Relaxed);
-}
-
-fn destroy_events(a: CUevent, b: CUevent) {
-    for e in [a, b] {
-        if !e.is_null() {
-            ext!(MISSING, cuEventDestroy_v2(e));
-        }
-    }
 }
 
 /// After the real launch: record the probe's end event (or give the probe up if the launch
@@ -453,7 +303,7 @@ pub fn finish(v: &Vcuda, t: Ticket, rc: CUresult) -> CUresult {
 
 #[cold]
 fn end_probe(v: &Vcuda, dev: usize, class: usize, stream: CUstream, rc: CUresult) {
-    let mut probes = v.limiter.probes.lock();
+    let mut probes = v.limiter().probes.lock();
     let Probe::Pending {
         start, end, free, ..
     } = probes[dev][class]
@@ -464,7 +314,7 @@ fn end_probe(v: &Vcuda, dev: usize, class: usize, stream: CUstream, rc: CUresult
         return;
     }
     destroy_events(start as CUevent, end as CUevent);
-    let b = &v.limiter.gpus[dev];
+    let b = &v.limiter().gpus[dev];
     probes[dev][class] = if rc == CUDA_SUCCESS {
         charge(b, free, b.cost[class].load(Relaxed));
         Probe::Done
@@ -477,7 +327,7 @@ fn end_probe(v: &Vcuda, dev: usize, class: usize, stream: CUstream, rc: CUresult
 /// Complete pending probes of `dev` whose end event has passed; returns whether one is
 /// still pending.
 fn check_probes(v: &Vcuda, dev: usize) -> bool {
-    let mut probes = v.limiter.probes.lock();
+    let mut probes = v.limiter().probes.lock();
     let mut pending = false;
     for class in 0..CLASSES {
         let Probe::Pending {
@@ -489,7 +339,7 @@ fn check_probes(v: &Vcuda, dev: usize) -> bool {
         else {
             continue;
         };
-        let b = &v.limiter.gpus[dev];
+        let b = &v.limiter().gpus[dev];
         let rc = ext!(MISSING, cuEventQuery(end as CUevent));
         if rc == CUDA_ERROR_NOT_READY && mono_ns().saturating_sub(since) < PROBE_TIMEOUT_NS {
             pending = true;
@@ -508,7 +358,7 @@ fn check_probes(v: &Vcuda, dev: usize) -> bool {
             }
             charge(b, free, ns);
             forfeit_excess(b);
-            v.limiter.probed[dev][class].store(ns, Relaxed);
+            v.limiter().probed[dev][class].store(ns, Relaxed);
             log!(
                 DEBUG,
                 "GPU {dev}: first launch (class {class}) took {ns} ns of device time"
@@ -529,7 +379,7 @@ fn check_probes(v: &Vcuda, dev: usize) -> bool {
 /// A context is going away: pending probes' events go with it. Forget them (the next
 /// throttled launch probes again).
 pub fn forget_probes(v: &Vcuda) {
-    let mut probes = v.limiter.probes.lock();
+    let mut probes = v.limiter().probes.lock();
     for p in probes.iter_mut().flatten() {
         if let Probe::Pending { free, .. } = *p {
             *p = Probe::Armed { free };
@@ -543,180 +393,6 @@ pub fn forget_probes(v: &Vcuda) {
 /// giving that marker up: its stream may be waiting for the host (for this very thread, say,
 /// to write what a `cuStreamWaitValue32` waits for), and a launch must never deadlock.
 const MARKER_PATIENCE_NS: u64 = 500_000_000;
-
-/// A marker's event and where it was recorded.
-#[derive(Clone, Copy)]
-struct Mark {
-    event: usize,
-    stream: usize,
-    /// The launch class of the slow path that recorded it.
-    class: usize,
-}
-
-/// After another stream was seen on the slow path, windows prove nothing for this long: a
-/// window holds its own stream's launches and whatever other streams ran meanwhile, which
-/// may have been paid before it.
-const MIXED_STREAMS_NS: u64 = 1_000_000_000;
-
-/// When a marker was recorded: the paid total (debts left out), the price in force, and
-/// the host clock (monotonic ns).
-#[derive(Clone, Copy)]
-struct Stamp {
-    paid: f64,
-    cost: f64,
-    now: u64,
-}
-
-/// What reaching markers showed: device time that ran unpaid, to charge now, and what a
-/// kernel launch costs at least (`raise`) or at most (`lower`) by windows of kernel
-/// launches (0: nothing shown).
-#[derive(Default)]
-struct Reached {
-    debt_ns: f64,
-    raise: f64,
-    lower: f64,
-}
-
-/// The markers of one GPU: the maths ([`lim::Markers`]) and their events, which belong to
-/// one context. Owned by [`Limiter::markers`]; every event it created is destroyed by it
-/// (`clear`) or went with its context (`forget`).
-#[derive(Default)]
-struct MarkerSet {
-    maths: lim::Markers,
-    /// The pending markers' events, oldest first (the maths' pending, one for one).
-    pending: std::collections::VecDeque<Mark>,
-    /// The newest marker the GPU reached: the next window is timed from it.
-    done: Option<Mark>,
-    /// Events to record again (recording an event again is allowed).
-    spare: Vec<usize>,
-    /// The context the events belong to (0: none yet).
-    ctx: usize,
-    /// Until when (monotonic ns) windows prove nothing ([`MIXED_STREAMS_NS`]).
-    mixed_until: u64,
-}
-
-impl MarkerSet {
-    /// Take every marker the GPU reached, oldest first, from the pending ones.
-    fn reap(&mut self, others: f64) -> Reached {
-        let mut r = Reached::default();
-        while let Some(&m) = self.pending.front() {
-            match ext!(MISSING, cuEventQuery(m.event as CUevent)) {
-                CUDA_SUCCESS => self.reached(m, others, &mut r),
-                CUDA_ERROR_NOT_READY => break,
-                _ => self.give_up_oldest(),
-            }
-        }
-        r
-    }
-
-    /// The oldest pending marker `m` was reached.
-    fn reached(&mut self, m: Mark, others: f64, r: &mut Reached) {
-        self.pending.pop_front();
-        // Only a window between two markers of one stream is device time in order.
-        let elapsed = self.done.filter(|d| d.stream == m.stream).and_then(|d| {
-            let mut ms: f32 = 0.0;
-            (ext!(
-                MISSING,
-                cuEventElapsedTime(&mut ms, d.event as CUevent, m.event as CUevent)
-            ) == CUDA_SUCCESS)
-                .then_some(f64::from(ms) * 1e6)
-        });
-        let kernels = m.class == KERNEL && self.done.is_some_and(|d| d.class == KERNEL);
-        let verdict = self.maths.reached(elapsed, others);
-        // With several streams, a window also holds other streams' work paid before it.
-        if mono_ns() < self.mixed_until {
-            return self.passed(m);
-        }
-        match verdict {
-            Some(lim::Verdict::Underpaid(u)) => {
-                r.debt_ns += u.debt_ns;
-                if kernels {
-                    r.raise = r.raise.max(u.per_launch_ns);
-                }
-            }
-            Some(lim::Verdict::Overpaid { per_launch_ns }) if kernels => {
-                r.lower = per_launch_ns;
-            }
-            _ => {}
-        }
-        self.passed(m);
-    }
-
-    /// `m` is the newest marker reached.
-    fn passed(&mut self, m: Mark) {
-        if let Some(d) = self.done.replace(m) {
-            self.spare.push(d.event);
-        }
-    }
-
-    /// The oldest pending marker is not coming (its stream waits, or its event failed):
-    /// forget it; the next window is not timed.
-    fn give_up_oldest(&mut self) {
-        if let Some(m) = self.pending.pop_front() {
-            self.maths.reached(None, 0.0);
-            destroy_events(m.event as CUevent, std::ptr::null_mut());
-            if let Some(d) = self.done.take() {
-                self.spare.push(d.event);
-            }
-        }
-    }
-
-    /// Record a marker on `stream` in the current context `ctx`, stamped `at`; `ask`:
-    /// whether to ask if the GPU is still behind the previous marker.
-    fn record(&mut self, ctx: usize, stream: CUstream, class: usize, at: Stamp, ask: bool) {
-        let Stamp { paid, cost, now } = at;
-        if ctx != self.ctx {
-            // Another context: its events cannot be recorded here. Start over in this one.
-            self.clear();
-            self.ctx = ctx;
-        }
-        let event = match self.spare.pop() {
-            Some(e) => e as CUevent,
-            None => {
-                let mut e: CUevent = std::ptr::null_mut();
-                if ext!(MISSING, cuEventCreate(&mut e, CU_EVENT_DEFAULT)) != CUDA_SUCCESS {
-                    return;
-                }
-                e
-            }
-        };
-        if ext!(MISSING, cuEventRecord(event, stream)) != CUDA_SUCCESS {
-            destroy_events(event, std::ptr::null_mut());
-            return;
-        }
-        // Asked after recording: if the GPU has not reached the previous marker yet, all
-        // of the time between the two will be queued work, not the GPU waiting for us.
-        let behind = self.pending.back().is_some_and(|p| {
-            ask && p.stream == stream as usize
-                && ext!(MISSING, cuEventQuery(p.event as CUevent)) == CUDA_ERROR_NOT_READY
-        });
-        let last = self.pending.back().or(self.done.as_ref());
-        if last.is_some_and(|l| l.stream != stream as usize) {
-            self.mixed_until = now + MIXED_STREAMS_NS;
-        }
-        self.maths.recorded_behind(paid, cost, now as f64, behind);
-        self.pending.push_back(Mark {
-            event: event as usize,
-            stream: stream as usize,
-            class,
-        });
-    }
-
-    /// Destroy every event (their context is alive) and start over.
-    fn clear(&mut self) {
-        let events = self.pending.iter().chain(self.done.iter()).map(|m| m.event);
-        for e in events.chain(self.spare.iter().copied()) {
-            destroy_events(e as CUevent, std::ptr::null_mut());
-        }
-        self.forget();
-    }
-
-    /// Start over without touching the events (they went with their context, or belong to
-    /// a parent process).
-    fn forget(&mut self) {
-        *self = MarkerSet::default();
-    }
-}
 
 /// When a launch on `dev` finds the bucket empty: act on what the markers the GPU reached
 /// proved (charge what ran unpaid, price a kernel launch at least or at most as their
@@ -735,12 +411,12 @@ fn pass_markers(
     stream: CUstream,
     entered: u64,
 ) -> bool {
-    let b = &v.limiter.gpus[dev];
+    let b = &v.limiter().gpus[dev];
     let others = b.others.load(Relaxed) as f64 / lim::PPM as f64;
     let mut nap = None;
     let mut slept = false;
     loop {
-        let mut sets = v.limiter.markers.lock();
+        let mut sets = v.limiter().markers.lock();
         let set = &mut sets[dev];
         let r = set.reap(others);
         act_on(v, dev, &r);
@@ -778,8 +454,8 @@ fn pass_markers(
 /// (The window between the closing marker and this one holds no launch: whether the GPU
 /// was behind is not asked.)
 fn open_marker(v: &Vcuda, dev: usize, ctx: usize, class: usize, stream: CUstream) {
-    let b = &v.limiter.gpus[dev];
-    let mut sets = v.limiter.markers.lock();
+    let b = &v.limiter().gpus[dev];
+    let mut sets = v.limiter().markers.lock();
     record_in(b, &mut sets[dev], ctx, stream, class, mono_ns(), false);
 }
 
@@ -807,7 +483,7 @@ fn current_ctx() -> Option<usize> {
 /// Charge what marker windows showed ran unpaid, and move the kernel price to what they
 /// proved (the controller's calibration takes it over as a measurement).
 fn act_on(v: &Vcuda, dev: usize, r: &Reached) {
-    let b = &v.limiter.gpus[dev];
+    let b = &v.limiter().gpus[dev];
     if r.debt_ns > 0.0 {
         let d = f64_to_i64(r.debt_ns);
         b.tokens.fetch_sub(d, Relaxed);
@@ -831,15 +507,15 @@ fn act_on(v: &Vcuda, dev: usize, r: &Reached) {
     let new = f64_to_u64(new).max(f64_to_u64(lim::MIN_COST_NS));
     b.cost[KERNEL].store(new, Relaxed);
     let cut = forfeit_excess(b);
-    v.limiter.probed[dev][KERNEL].store(new, Relaxed);
+    v.limiter().probed[dev][KERNEL].store(new, Relaxed);
     if new > cur {
         // Alone: a window's GPU time was all this process's. Beside others not yet
         // measured (a process's first NVML sample comes after its first 1/6-1 s), their
         // kernels between two markers read as this one's: such a raise may be false, and
         // the calibration must stay free to undo it.
         let alone = b.sampled.load(Relaxed) && b.others.load(Relaxed) < lim::PPM / 20;
-        v.limiter.raised_alone[dev].store(alone, Relaxed);
-        v.limiter.raised_us[dev].store(wall_us(), Relaxed);
+        v.limiter().raised_alone[dev].store(alone, Relaxed);
+        v.limiter().raised_us[dev].store(wall_us(), Relaxed);
     }
     log!(
         DEBUG,
@@ -858,7 +534,7 @@ fn act_on(v: &Vcuda, dev: usize, r: &Reached) {
 /// over, leaking at most a few events of another context still alive).
 pub fn forget_markers(v: &Vcuda, ctx: Option<CUcontext>, ordinal: Option<CUdevice>) {
     let dev = ordinal.and_then(|o| v.dev_of_ordinal(o));
-    for (i, set) in v.limiter.markers.lock().iter_mut().enumerate() {
+    for (i, set) in v.limiter().markers.lock().iter_mut().enumerate() {
         if ctx.is_some_and(|c| c as usize == set.ctx) || dev == Some(i) {
             set.forget();
         }
@@ -1110,11 +786,11 @@ pub fn start_controller() {
             let mut buf = vec![nvmlProcessUtilizationSample_t::default(); 256];
             loop {
                 std::thread::sleep(TICK);
-                if crate::init::stopping() {
+                if crate::state::stopping() {
                     return;
                 }
                 let Ok(v) = cuda() else { return };
-                for (dev, c) in ctl.iter_mut().enumerate().take(v.limits.len()) {
+                for (dev, c) in ctl.iter_mut().enumerate().take(v.gpu_count()) {
                     tick(v, dev, c, &mut buf);
                 }
             }
@@ -1124,47 +800,17 @@ pub fn start_controller() {
     }
 }
 
-/// The container's share and limit on `dev` (ppm): the manager's run-time values if set,
-/// else the config's.
-fn container_share(v: &Vcuda, dev: usize) -> (u64, u64) {
-    let h = v.region.header();
-    let g = &v.cfg.gpu[dev];
-    let mut share = h.core_override[dev].load(Relaxed);
-    if share == 0 {
-        share = u64::from(g.core) * (lim::PPM / 100);
-    }
-    let mut limit = h.core_limit_override[dev].load(Relaxed);
-    if limit == 0 {
-        limit = u64::from(g.core_limit.unwrap_or(0)) * (lim::PPM / 100);
-    }
-    (share, limit.max(share))
-}
-
 fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilizationSample_t]) {
-    let b = &v.limiter.gpus[dev];
+    let b = &v.limiter().gpus[dev];
     let now = mono_ns();
-    let (share, limit) = container_share(v, dev);
+    let (share, limit) = v.container_share(dev);
 
     // Activity: publish when this process last launched, count the container's launchers.
     let paid = paid_total(b);
-    let me = v.me();
-    let slots = v.region.slots();
     if paid != c.last_paid {
-        if let Some(s) = slots.get(me.index as usize) {
-            s.launched_at[dev].store(now, Relaxed);
-        }
+        v.note_launched(dev, now);
     }
-    let active = crate::conv::u32_sat(
-        slots
-            .iter()
-            .take(v.region.header().slots_used.load(Relaxed) as usize)
-            .filter(|s| {
-                let t = s.launched_at[dev].load(Relaxed);
-                t != 0 && now.saturating_sub(t) < ACTIVE_NS
-            })
-            .count()
-            .max(1),
-    );
+    let active = crate::conv::u32_sat(v.launchers(dev, now, ACTIVE_NS).max(1));
 
     // Exclusive: no throttling at all.
     if share >= lim::PPM {
@@ -1189,16 +835,16 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
 
     // A probe's measurement replaces the estimate; graphs keep their own base cost and are
     // rescaled with the kernel cost.
-    let kp = v.limiter.probed[dev][KERNEL].swap(0, Relaxed);
+    let kp = v.limiter().probed[dev][KERNEL].swap(0, Relaxed);
     if kp != 0 {
         c.cal.set_cost(kp as f64);
     }
-    let raised = v.limiter.raised_us[dev].swap(0, Relaxed);
+    let raised = v.limiter().raised_us[dev].swap(0, Relaxed);
     if raised != 0 {
         c.cal
-            .raised_at(raised, v.limiter.raised_alone[dev].load(Relaxed));
+            .raised_at(raised, v.limiter().raised_alone[dev].load(Relaxed));
     }
-    let gp = v.limiter.probed[dev][GRAPH].swap(0, Relaxed);
+    let gp = v.limiter().probed[dev][GRAPH].swap(0, Relaxed);
     if gp != 0 {
         c.graph_cost = gp as f64;
     }
@@ -1210,7 +856,7 @@ fn tick(v: &Vcuda, dev: usize, c: &mut GpuCtl, buf: &mut [nvmlProcessUtilization
     if !c.origin {
         // Paid 0 then (the counters start at 0), and the first tick came later (skipped if
         // the process began exclusive: see above).
-        c.cal.record_origin(v.limiter.born_us.load(Relaxed), 0);
+        c.cal.record_origin(v.limiter().born_us.load(Relaxed), 0);
         c.origin = true;
     }
     if kp != 0 && !c.probe_paid {
@@ -1359,7 +1005,7 @@ fn read_samples(
     c: &mut GpuCtl,
     buf: &mut [nvmlProcessUtilizationSample_t],
 ) -> Option<(f64, f64)> {
-    let handle = crate::nvml::real_handle(v, dev)?;
+    let handle = v.nvml_handle(dev)?;
     let mut n = crate::conv::u32_sat(buf.len());
     let rc = ext!(
         NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -1379,8 +1025,8 @@ fn read_samples(
     let len = (n as usize).min(buf.len());
     let samples = &mut buf[..len];
     samples.sort_unstable_by_key(|s| s.timeStamp);
-    let pid = crate::context::driver_pid(v);
-    let b = &v.limiter.gpus[dev];
+    let pid = v.driver_pid();
+    let b = &v.limiter().gpus[dev];
     let GpuCtl { sampler, cal, .. } = c;
     let newest = sampler.read(
         samples.iter().map(|s| (s.timeStamp, s.pid, s.smUtil)),

@@ -4,14 +4,15 @@
 //! Where the driver decides the size (pitch, arrays, pool growth) the reservation is an
 //! estimate trued up from what the driver reports right after; graph memory is only visible
 //! after a launch and is counted then. Every refusal for the quota is counted in the region
-//! ([`refuse_for_quota`]).
+//! (`Vcuda::refuse_for_quota`).
 
 use std::ffi::{c_uint, c_void};
 
 use crate::conv::{dev_u8, u32_sat, u64_of, usize_of};
+use crate::drv::{pool_attr, pool_reserved};
 use crate::ffi::*;
-use crate::init::{cuda, Vcuda};
-use crate::quota::{self, check, code, Abi, ArrayKind, Books, Driver, R};
+use crate::quota::{self, check, code, Abi, ArrayKind, Driver, R};
+use crate::state::{cuda, Vcuda};
 use crate::table::{Kind, Rec};
 
 pub use crate::quota::ALLOC_GRANULE;
@@ -60,46 +61,6 @@ hooks! {
 }
 
 const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
-
-/// The library refuses a call on `dev` for the quota: count it in the region (the manager
-/// exports the count) and return `CUDA_ERROR_OUT_OF_MEMORY`. Only for the library's own
-/// refusals; an out-of-memory error the driver returns is passed on uncounted.
-#[cold]
-#[inline(never)]
-pub(crate) fn refuse_for_quota(v: &Vcuda, dev: usize) -> CUresult {
-    v.region.count_oom_refusal(dev);
-    CUDA_ERROR_OUT_OF_MEMORY
-}
-
-/// The container's books are the shared region's totals and this process's pointer table.
-impl Books for Vcuda {
-    #[inline(always)]
-    fn current_dev(&self) -> Option<usize> {
-        Vcuda::current_dev(self)
-    }
-    #[inline(always)]
-    fn reserve(&self, dev: usize, bytes: u64) -> bool {
-        Vcuda::reserve(self, dev, bytes)
-    }
-    #[inline(always)]
-    fn release(&self, dev: usize, bytes: u64) {
-        Vcuda::release(self, dev, bytes)
-    }
-    fn refuse_for_quota(&self, dev: usize) -> CUresult {
-        refuse_for_quota(self, dev)
-    }
-    #[inline(always)]
-    fn insert(&self, ptr: u64, rec: Rec) {
-        self.allocs.insert(ptr, rec)
-    }
-    #[inline(always)]
-    fn remove(&self, ptr: u64) -> Option<Rec> {
-        self.allocs.remove(ptr)
-    }
-    fn ordinal_of(&self, dev: usize) -> CUdevice {
-        Vcuda::ordinal_of(self, dev).unwrap_or(0)
-    }
-}
 
 /// The real driver: each call forwards to the real library (zero-sized, so the generic
 /// operations cost nothing over calling it directly).
@@ -378,7 +339,7 @@ fn array_common<T>(
     });
     code(made.map(|(dev, arr, actual)| {
         learn_array_granule(raw, actual);
-        v.objs.lock().arrays.insert(arr, (actual, dev));
+        v.remember_array(arr, actual, dev);
     }))
 }
 
@@ -453,9 +414,7 @@ unsafe fn array3d_v1(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_
 }
 
 fn forget_object(v: &Vcuda, key: usize) {
-    if let Some((bytes, dev)) = v.objs.lock().arrays.remove(&key) {
-        v.release(dev, bytes);
-    }
+    v.forget_array(key);
 }
 
 unsafe fn array_destroy(handle: CUarray) -> CUresult {
@@ -533,7 +492,7 @@ unsafe fn vmm_create(
         _ => return forward!(MISSING, cuMemCreate(handle, size, prop, flags)),
     };
     if !v.reserve(dev, size as u64) {
-        return refuse_for_quota(v, dev);
+        return v.refuse_for_quota(dev);
     }
     let rc = forward!(MISSING, cuMemCreate(handle, size, prop, flags));
     if rc != CUDA_SUCCESS {
@@ -542,7 +501,7 @@ unsafe fn vmm_create(
     }
     // SAFETY: the driver succeeded, so *handle is the new allocation handle.
     let h = unsafe { *handle };
-    v.objs.lock().vmm.created(h, size as u64, dev);
+    v.with_vmm(|m| m.created(h, size as u64, dev));
     rc
 }
 
@@ -550,7 +509,7 @@ unsafe fn vmm_release(handle: CUmemGenericAllocationHandle) -> CUresult {
     let v = state!();
     let rc = forward!(MISSING, cuMemRelease(handle));
     if rc == CUDA_SUCCESS {
-        let freed = v.objs.lock().vmm.released(handle);
+        let freed = v.with_vmm(|m| m.released(handle));
         release_all(v, freed);
     }
     rc
@@ -562,7 +521,7 @@ unsafe fn vmm_retain(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_voi
     if rc == CUDA_SUCCESS && !handle.is_null() {
         // SAFETY: the driver wrote the handle.
         let h = unsafe { *handle };
-        v.objs.lock().vmm.retained(h);
+        v.with_vmm(|m| m.retained(h));
     }
     rc
 }
@@ -577,7 +536,7 @@ unsafe fn vmm_map(
     let v = state!();
     let rc = forward!(MISSING, cuMemMap(ptr, size, offset, handle, flags));
     if rc == CUDA_SUCCESS {
-        v.objs.lock().vmm.mapped(ptr, size as u64, handle);
+        v.with_vmm(|m| m.mapped(ptr, size as u64, handle));
     }
     rc
 }
@@ -586,60 +545,13 @@ unsafe fn vmm_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     let v = state!();
     let rc = forward!(MISSING, cuMemUnmap(ptr, size));
     if rc == CUDA_SUCCESS {
-        let freed = v.objs.lock().vmm.unmapped(ptr, size as u64);
+        let freed = v.with_vmm(|m| m.unmapped(ptr, size as u64));
         release_all(v, freed);
     }
     rc
 }
 
 // ---- stream-ordered allocation and pools -------------------------------------------------
-
-/// What the pool has reserved from the device, as the driver reports it.
-fn pool_reserved(pool: CUmemoryPool) -> Option<u64> {
-    pool_attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
-}
-
-fn pool_attr(pool: CUmemoryPool, attr: u32) -> Option<u64> {
-    let mut val: u64 = 0;
-    (ext!(
-        MISSING,
-        cuMemPoolGetAttribute(pool, attr, (&mut val as *mut u64).cast())
-    ) == CUDA_SUCCESS)
-        .then_some(val)
-}
-
-/// Bring the count for `pool` to what it has reserved now (held under the objects lock so
-/// concurrent updates stay in order).
-fn settle_pool(v: &Vcuda, pool: CUmemoryPool, dev: usize) {
-    let mut o = v.objs.lock();
-    let Some(now) = pool_reserved(pool) else {
-        return;
-    };
-    let entry = o.pools.entry(pool as usize).or_insert((dev, 0));
-    let before = entry.1;
-    entry.1 = now;
-    let dev = entry.0;
-    drop(o);
-    if now > before {
-        v.force_add(dev, now - before);
-    } else if now < before {
-        v.release(dev, before - now);
-    }
-}
-
-/// Re-read every known pool (they shrink at synchronisations the application makes).
-pub fn refresh_pools(v: &Vcuda) {
-    let pools: Vec<(usize, usize)> = v
-        .objs
-        .lock()
-        .pools
-        .iter()
-        .map(|(&p, &(d, _))| (p, d))
-        .collect();
-    for (p, d) in pools {
-        settle_pool(v, p as CUmemoryPool, d);
-    }
-}
 
 fn stream_capturing(stream: CUstream) -> bool {
     let mut status: u32 = 0;
@@ -659,7 +571,7 @@ fn async_common(
     }
     if stream_capturing(stream) {
         // Captured into a graph: the memory appears when the graph runs.
-        v.objs.lock().graph_nodes_seen = true;
+        v.saw_graph_memory();
         return call();
     }
     let Some(dev) = v.current_dev() else {
@@ -676,20 +588,14 @@ fn async_common(
             p
         }
     };
-    let dev = v
-        .objs
-        .lock()
-        .pools
-        .get(&(pool as usize))
-        .map_or(dev, |e| e.0);
+    let dev = v.pool_dev(pool).unwrap_or(dev);
     // What the pool cannot serve from memory it already holds, it grows by, in granules.
     // That cached memory can only be counted on while no synchronisation can give it back
     // to the device: with the exclusive lock, hold the exact growth; if a synchronisation
     // is running, hold the growth as if the pool had nothing cached.
     let size_bytes = u64_of(size);
-    let _serial = v.pool_alloc.lock();
-    let exclusive = v.pool_sync.try_write();
-    let cached = if exclusive.is_some() {
+    let held = v.stream_ordered_alloc();
+    let cached = if held.cache_is_stable() {
         pool_reserved(pool)
             .zip(pool_attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT))
             .map_or(0, |(r, u)| r.saturating_sub(u))
@@ -698,13 +604,13 @@ fn async_common(
     };
     let hold = quota::pool_hold(size_bytes, cached);
     if !v.reserve(dev, hold) {
-        return refuse_for_quota(v, dev);
+        return v.refuse_for_quota(dev);
     }
     let rc = call();
     if rc == CUDA_SUCCESS {
-        settle_pool(v, pool, dev);
+        v.settle_pool(pool, dev);
         // SAFETY: the driver succeeded, so *dptr holds the new pointer.
-        v.allocs.insert(
+        v.remember_alloc(
             unsafe { *dptr },
             Rec {
                 size: size_bytes,
@@ -790,7 +696,7 @@ unsafe fn pool_create(pool: *mut CUmemoryPool, props: *const CUmemPoolProps) -> 
         let (loc, p) = unsafe { ((*props).location, *pool) };
         if loc.kind == CU_MEM_LOCATION_TYPE_DEVICE {
             if let Some(dev) = v.dev_of_ordinal(loc.id) {
-                v.objs.lock().pools.insert(p as usize, (dev, 0));
+                v.add_pool(p, dev);
             }
         }
     }
@@ -801,18 +707,16 @@ unsafe fn pool_destroy(pool: CUmemoryPool) -> CUresult {
     let v = state!();
     let rc = forward!(MISSING, cuMemPoolDestroy(pool));
     if rc == CUDA_SUCCESS {
-        if let Some((dev, bytes)) = v.objs.lock().pools.remove(&(pool as usize)) {
-            v.release(dev, bytes);
-        }
+        v.drop_pool(pool);
     }
     rc
 }
 
-/// Run a call during which pools may give cached memory back (see `Vcuda::pool_sync`).
+/// Run a call during which pools may give cached memory back (`Vcuda::pools_may_shrink`).
 fn releasing_pools(call: impl FnOnce() -> CUresult) -> CUresult {
     match cuda() {
         Ok(v) => {
-            let _shared = v.pool_sync.read();
+            let _shared = v.pools_may_shrink();
             call()
         }
         Err(e) => e,
@@ -838,13 +742,13 @@ unsafe fn event_sync(event: CUevent) -> CUresult {
 unsafe fn pool_trim(pool: CUmemoryPool, keep: usize) -> CUresult {
     let v = state!();
     let rc = {
-        let _shared = v.pool_sync.read();
+        let _shared = v.pools_may_shrink();
         forward!(MISSING, cuMemPoolTrimTo(pool, keep))
     };
     if rc == CUDA_SUCCESS {
-        let dev = v.objs.lock().pools.get(&(pool as usize)).map(|e| e.0);
+        let dev = v.pool_dev(pool);
         if let Some(dev) = dev {
-            settle_pool(v, pool, dev);
+            v.settle_pool(pool, dev);
         }
     }
     rc
@@ -854,10 +758,10 @@ unsafe fn pool_trim(pool: CUmemoryPool, keep: usize) -> CUresult {
 
 /// Count the graph memory each GPU's graph pool holds now (visible only after launches).
 pub fn refresh_graph_mem(v: &Vcuda) {
-    if !v.objs.lock().graph_nodes_seen {
+    if !v.graph_memory_seen() {
         return;
     }
-    for dev in 0..v.limits.len() {
+    for dev in 0..v.gpu_count() {
         let Some(ord) = v.ordinal_of(dev) else {
             continue;
         };
@@ -873,17 +777,12 @@ pub fn refresh_graph_mem(v: &Vcuda) {
         {
             continue;
         }
-        let before = std::mem::replace(&mut v.objs.lock().graph_mem[dev], now);
-        if now > before {
-            v.force_add(dev, now - before);
-        } else if now < before {
-            v.release(dev, before - now);
-        }
+        v.settle_graph_mem(dev, now);
     }
 }
 
 fn saw_graph_memory(v: &Vcuda) {
-    v.objs.lock().graph_nodes_seen = true;
+    v.saw_graph_memory();
 }
 
 unsafe fn graph_alloc_node(

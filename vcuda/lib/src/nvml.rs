@@ -1,6 +1,6 @@
 //! NVML as the container sees it: only its GPUs, their memory the size of the quota, only its
-//! processes. This file also gives the rest of the library the real NVML handles of the
-//! container's GPUs ([`real_handle`]).
+//! processes. (The real NVML handles libvcuda uses for itself are the state's:
+//! `Vcuda::nvml_handle`.)
 //!
 //! - **Enumeration.** The container's GPUs are its config's, in config order, as far as the
 //!   real NVML has them; that order is the container's NVML index order (NVML ignores
@@ -24,7 +24,7 @@ use vcuda_contract::region::SlotView;
 
 use crate::conv::u32_sat;
 use crate::ffi::*;
-use crate::init::{nvml, Vcuda};
+use crate::state::{nvml, Vcuda};
 
 hooks! {
     Nvml fn nvmlInit() -> nvmlReturn_t => init_v1;
@@ -54,34 +54,6 @@ hooks! {
 
 /// What a wrapper returns when the real NVML lacks the function.
 const MISSING: nvmlReturn_t = NVML_ERROR_FUNCTION_NOT_FOUND;
-
-/// The real NVML handle of config GPU `dev`, initialising NVML for libvcuda's own use on
-/// first call.
-pub fn real_handle(v: &Vcuda, dev: usize) -> Option<usize> {
-    let handles = v.nvml_handles.get_or_init(|| {
-        if v.nvml == 0 || ext!(NVML_ERROR_FUNCTION_NOT_FOUND, nvmlInit_v2()) != NVML_SUCCESS {
-            return Vec::new();
-        }
-        v.cfg
-            .gpu
-            .iter()
-            .map(|g| {
-                let name = std::ffi::CString::new(g.uuid.as_str()).unwrap_or_default();
-                let mut h: nvmlDevice_t = std::ptr::null_mut();
-                let rc = ext!(
-                    NVML_ERROR_FUNCTION_NOT_FOUND,
-                    nvmlDeviceGetHandleByUUID(name.as_ptr() as *const c_char, &mut h)
-                );
-                if rc == NVML_SUCCESS {
-                    h as usize
-                } else {
-                    0
-                }
-            })
-            .collect()
-    });
-    handles.get(dev).copied().filter(|&h| h != 0)
-}
 
 // ---- the container's GPUs ---------------------------------------------------------------
 
@@ -167,16 +139,14 @@ impl Gpus {
 fn uuids(v: &Vcuda) -> &'static [CString] {
     static UUIDS: OnceLock<Vec<CString>> = OnceLock::new();
     UUIDS.get_or_init(|| {
-        v.cfg
-            .gpu
-            .iter()
-            .map(|g| CString::new(g.uuid.as_str()).unwrap_or_default())
+        v.uuid_names()
+            .map(|u| CString::new(u).unwrap_or_default())
             .collect()
     })
 }
 
 /// Look the container's GPUs up in the real NVML now, through the caller's initialisation
-/// (libvcuda's own, in [`real_handle`], is not used: a caller that has not initialised NVML
+/// (libvcuda's own, `Vcuda::nvml_handle`, is not used: a caller that has not initialised NVML
 /// gets `NVML_ERROR_UNINITIALIZED` as it would without libvcuda — unless libvcuda has
 /// initialised NVML for itself, which a process shares).
 fn container_gpus(v: &Vcuda) -> Result<Gpus, nvmlReturn_t> {
@@ -397,7 +367,7 @@ unsafe fn memory_v1(device: nvmlDevice_t, memory: *mut nvmlMemory_t) -> nvmlRetu
     };
     // SAFETY: non-NULL, and the real function just filled it.
     let m = unsafe { &mut *memory };
-    let vm = virtual_memory(v.limit(dev), m.total, v.region.used(dev));
+    let vm = virtual_memory(v.quota_of(dev), m.total, v.used_on(dev));
     m.total = vm.total;
     m.used = vm.used;
     m.free = vm.free;
@@ -418,7 +388,7 @@ unsafe fn memory_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) -> nvmlR
     };
     // SAFETY: non-NULL, and the real function just filled it.
     let m = unsafe { &mut *memory };
-    let vm = virtual_memory(v.limit(dev), m.total, v.region.used(dev));
+    let vm = virtual_memory(v.quota_of(dev), m.total, v.used_on(dev));
     m.total = vm.total;
     m.reserved = 0;
     m.used = vm.used;
@@ -554,7 +524,7 @@ unsafe fn processes<T: ProcEntry>(
         return unsafe { f(device, info_count, infos) };
     }
     let list = match read_real(f, device) {
-        Ok(l) => filter_processes(&l, &container_pids(&v.region.processes())),
+        Ok(l) => filter_processes(&l, &container_pids(&v.container_processes())),
         Err(e) => return e,
     };
     // SAFETY: non-NULL; nvml.h: the caller sets it to the size of `infos`.

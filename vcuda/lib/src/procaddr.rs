@@ -6,7 +6,7 @@
 use std::ffi::{c_char, c_int, c_void};
 
 use crate::ffi::*;
-use crate::init::cuda;
+use crate::state::cuda;
 
 hooks! {
     Cuda fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) -> CUresult => get_proc_v1;
@@ -20,7 +20,7 @@ fn substitute(rc: CUresult, pfn: *mut *mut c_void) -> CUresult {
     if rc == CUDA_SUCCESS && !pfn.is_null() {
         // SAFETY: the driver wrote *pfn (possibly NULL for an unknown symbol).
         let p = unsafe { *pfn };
-        if let Some(w) = crate::hooks::wrapper_for_real(p as usize) {
+        if let Some(w) = crate::hook::wrapper_for_real(p as usize) {
             // SAFETY: as above; we replace it with the address of our wrapper of that function.
             unsafe { *pfn = w as *mut c_void };
         }

@@ -5,7 +5,7 @@
 //! - `Driver`: the driver's allocation calls. The real one is `memory::Real`, a zero-sized
 //!   type whose methods forward to the real library (no cost on the hot path).
 //! - `Books`: what the container has counted: the shared region's per-GPU totals and this
-//!   process's pointer table (`init::Vcuda`).
+//!   process's pointer table (`state::Vcuda` implements it).
 //!
 //! The `extern "C"` shells in `memory` only turn pointers into values and back; a call
 //! whose arguments the library cannot count (a NULL out-pointer, a zero size) is a named
@@ -249,7 +249,7 @@ pub const POOL_GRANULE: u64 = 2 << 20;
 /// What a stream-ordered allocation of `size` bytes from a pool holding `cached` bytes it
 /// is not using must reserve before the call: the growth the pool may need, in whole
 /// granules (0 if the cache serves it). `cached` is 0 unless no synchronisation can give
-/// the cache back to the device meanwhile (`Vcuda::pool_sync`).
+/// the cache back to the device meanwhile (`Vcuda::stream_ordered_alloc`).
 #[inline(always)]
 pub(crate) fn pool_hold(size: u64, cached: u64) -> u64 {
     counted(size)

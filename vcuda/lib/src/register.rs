@@ -2,8 +2,8 @@
 //! process introduces itself to vcuda-manager over the control socket
 //! ([`vcuda_contract::control`]): `Hello { allocation, slot, generation, pid, start_time }`,
 //! answered by `Welcome { host_pid }` (the manager writes the host pid into the slot itself;
-//! we only log it) or `Refused { reason }`. A forked child registers the slot it claims in
-//! `init::after_fork`.
+//! we only log it) or `Refused { reason }`. A forked child registers the slot it claims
+//! (`init::after_fork`, once `state` has renewed the state).
 //!
 //! **Never in the application's way.** All of it runs on a thread of its own, started with
 //! the process's state; no CUDA or NVML call waits for it, and nothing here panics into the
@@ -29,18 +29,17 @@
 //! registered process carries no extra thread.
 //!
 //! Plain std socket calls go through no CUDA or NVML hook, so the library's own-lookup
-//! guard (`init::with_own_lookup`) is not needed here.
+//! guard (`dlsym::with_own_lookup`) is not needed here.
 
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use vcuda_contract::control::{self, ControlError, Hello, Reply, Request};
 
-use crate::init::Vcuda;
 use crate::log::{log, DEBUG, WARN};
+use crate::state::Vcuda;
 
 /// Read and write timeout of one attempt.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(1);
@@ -52,7 +51,7 @@ pub const MAX_RETRY: Duration = Duration::from_secs(30);
 /// Called once the slot is claimed (start-up, and in a forked child after it claimed its
 /// own). Returns at once; the work runs on the `vcuda-register` thread.
 pub fn start(v: &Vcuda) {
-    let (Some(socket), Some(allocation)) = (&v.cfg.socket, &v.cfg.allocation) else {
+    let Some((socket, allocation)) = v.registration() else {
         return;
     };
     let Some(hello) = hello(v, allocation) else {
@@ -62,7 +61,7 @@ pub fn start(v: &Vcuda) {
         );
         return;
     };
-    let socket = socket.clone();
+    let socket = socket.to_path_buf();
     let spawned = std::thread::Builder::new()
         .name("vcuda-register".into())
         .stack_size(128 * 1024)
@@ -72,7 +71,7 @@ pub fn start(v: &Vcuda) {
                     &socket,
                     &hello,
                     Backoff::new(FIRST_RETRY, MAX_RETRY),
-                    crate::init::stopping,
+                    crate::state::stopping,
                 )
             });
         });
@@ -88,10 +87,8 @@ pub fn start(v: &Vcuda) {
 /// it against). `None` unless the slot is held, and by this process (a forked child whose
 /// claim failed still points at its parent's slot).
 fn hello(v: &Vcuda, allocation: &str) -> Option<Hello> {
-    let me = v.me();
-    let slot = v.region.slots().get(usize::try_from(me.index).ok()?)?;
-    let pid = slot.pid.load(Relaxed);
-    if !v.region.owns(me) || pid != std::process::id() {
+    let (me, pid, start_time) = v.held_slot()?;
+    if pid != std::process::id() {
         return None;
     }
     Some(Hello {
@@ -99,7 +96,7 @@ fn hello(v: &Vcuda, allocation: &str) -> Option<Hello> {
         slot: me.index,
         generation: me.generation,
         pid,
-        start_time: slot.start_time.load(Relaxed),
+        start_time,
     })
 }
 
@@ -234,7 +231,7 @@ mod tests {
     use super::*;
     use std::os::unix::net::UnixListener;
     use std::path::PathBuf;
-    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     use std::sync::Arc;
 
     fn hello() -> Hello {
