@@ -1,11 +1,17 @@
 //! The control loop, at NVML's sampling cadence (~1/6 s): for every started allocation,
 //! reclaim what dead processes held, write its compute share into its region (hard or
-//! elastic), and run the watchdog — the memory the *driver* reports for the container's
-//! processes against its quota, which catches a process that bypasses the library (static
-//! binary, raw ioctls). Every ~10 s, allocations whose container the kubelet no longer
-//! lists are removed.
+//! elastic), and run the watchdog — the memory and compute the *driver* reports for the
+//! container's processes against its quota and limit, which catches a process that
+//! bypasses the library (static binary, raw ioctls). Every ~10 s, allocations whose
+//! container the kubelet no longer lists are removed.
+//!
+//! This is the shell: what to do when, and the watchdogs' verdicts, are decided by
+//! `vcuda_manager_core::rounds::Rounds` (a state machine given the time); here the loop
+//! reads (NVML, /proc, regions, the kubelet), feeds it what it read, and carries out its
+//! actions.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -13,23 +19,21 @@ use nvml_wrapper::Nvml;
 use tracing::{info, warn};
 use vcuda_contract::region_file::{RegionFile, Snapshot};
 
-use crate::core::Registration;
+use crate::core::{Registration, Unopened};
 use crate::gpus;
 use crate::plugin::Shared;
+use crate::settings::Settings;
 use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, ProcessView, View, SCHEMA};
 use vcuda_manager_core::allocation::Allocation;
 use vcuda_manager_core::identity;
 use vcuda_manager_core::ids::Kind;
-use vcuda_manager_core::watchdog::ComputeWatch;
+use vcuda_manager_core::rounds::{
+    self, Action, Cadence, Event, Faults, Rounds, Step, Utilization, Verdict,
+};
+use vcuda_manager_core::watchdog::{self, ComputeWatch, Key};
 
-const PERIOD: Duration = Duration::from_millis(167);
-const GC_PERIOD: Duration = Duration::from_secs(10);
-/// A process's utilization sample older than this means it has been idle.
-const UTIL_FRESH: Duration = Duration::from_secs(1);
-/// How often pod UIDs still unknown are looked up in the kubelet's checkpoint.
-const UID_LOOKUP_PERIOD: Duration = Duration::from_secs(1);
-/// An allocation is not collected before its container had time to start.
-const GC_GRACE_SECS: u64 = 120;
+/// A process's utilization sample older than this (ms) means it has been idle.
+const UTIL_FRESH_MS: u64 = 1_000;
 
 /// Which allocation a host process belongs to: registered host pids first, then the pod
 /// cgroup of unregistered ones (which is how a bypassing process is found).
@@ -49,20 +53,6 @@ pub fn owner_of(
         .map(|(_, a)| a.clone())
 }
 
-/// Containers over their quota: (allocation, GPU index, driver-reported bytes, quota).
-pub fn violations(
-    usage: &BTreeMap<(String, usize), u64>,
-    quota: &dyn Fn(&str, usize) -> Option<u64>,
-) -> Vec<(String, usize, u64, u64)> {
-    usage
-        .iter()
-        .filter_map(|((a, g), &used)| {
-            let q = quota(a, *g)?;
-            (used > q).then(|| (a.clone(), *g, used, q))
-        })
-        .collect()
-}
-
 /// One round's care of an allocation's region: reclaim what dead processes held, write
 /// its compute share (hard or elastic), and read what it says. Every step goes through the
 /// descriptor the manager holds and never waits; an error is the container's doing.
@@ -74,15 +64,7 @@ fn tend(
     if n > 0 {
         info!(allocation = %a.id, processes = n, "reclaimed dead processes");
     }
-    let share = if a.percent >= 100 {
-        1_000_000
-    } else {
-        u64::from(a.percent) * 10_000
-    };
-    let limit = a
-        .core_limit
-        .filter(|&l| l > a.percent)
-        .map_or(0, |l| u64::from(l) * 10_000);
+    let (share, limit) = rounds::region_rates(a);
     for dev in 0..a.gpus.len() {
         r.set_core(dev, share, limit)?;
     }
@@ -90,7 +72,7 @@ fn tend(
 }
 
 /// The watchdog's kill: every process in `pids` still in the allocation's pod.
-fn kill_all(proc_root: &std::path::Path, alloc: Option<&Allocation>, pids: &[u32]) {
+fn kill_all(proc_root: &Path, alloc: Option<&Allocation>, pids: &[u32]) {
     let uid = alloc.and_then(|a| a.owner.as_ref()?.uid.clone());
     for &pid in pids {
         match uid.as_deref().map(|u| kill_in_pod(proc_root, pid, u)) {
@@ -103,7 +85,7 @@ fn kill_all(proc_root: &std::path::Path, alloc: Option<&Allocation>, pids: &[u32
 }
 
 /// Start time of host process `pid` (from `proc_root`), if it runs.
-fn proc_start(proc_root: &std::path::Path, pid: u32) -> Option<u64> {
+fn proc_start(proc_root: &Path, pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
     identity::start_time(&stat)
 }
@@ -140,7 +122,7 @@ impl KillError {
 /// SIGKILL host process `pid` if it is (still) in the cgroup of pod `uid`. The check and
 /// the signal go through one pidfd, opened first, so a pid reused in between can never
 /// redirect the kill to another process. Returns whether it signalled.
-fn kill_in_pod(proc_root: &std::path::Path, pid: u32, uid: &str) -> Result<bool, KillError> {
+fn kill_in_pod(proc_root: &Path, pid: u32, uid: &str) -> Result<bool, KillError> {
     let pid = libc::pid_t::try_from(pid).map_err(|_| KillError::PidRange { pid })?;
     // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -191,296 +173,465 @@ pub fn start(
 }
 
 fn run(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) {
-    // Allocations whose region could not be used last round (logged once per episode).
-    let mut faulty: HashSet<String> = HashSet::new();
-    let mut over_before: Vec<(String, usize)> = Vec::new();
-    // Watchdog violations per (allocation, GPU) since start: the metric.
-    let mut violated: HashMap<(String, usize), u64> = HashMap::new();
-    // The compute watchdog's samples, and its violations per (allocation, GPU) since start.
-    let (window, margin) = {
-        let c = shared.core.lock();
-        (
-            c.settings.watchdog_compute_window,
-            c.settings.watchdog_compute_margin,
-        )
-    };
-    let mut compute = ComputeWatch::new(window.as_millis() as u64, margin);
-    let mut compute_violated: HashMap<(String, usize), u64> = HashMap::new();
-    let epoch = Instant::now();
-    let mut last_gc = Instant::now();
-    let mut last_uid_lookup = Instant::now() - UID_LOOKUP_PERIOD;
-    let mut next = Instant::now();
-    // Per GPU: the newest process-utilization sample seen; per (GPU, pid): its last
-    // utilization and when it was seen.
-    let count = shared.core.lock().inventory.gpus.len();
-    let mut last_seen: Vec<u64> = vec![0; count];
-    let mut recent: HashMap<(usize, u32), (u32, Instant)> = HashMap::new();
-    let names: Vec<String> = (0..count as u32)
-        .map(|i| gpus::name(nvml, i).unwrap_or_default())
-        .collect();
-    let mut round: u64 = 0;
+    let mut shell = Shell::new(nvml, shared, rt);
+    // The compute watchdog's rule (vcuda_manager_core::watchdog), over its window.
+    let compute = ComputeWatch::new(
+        shell.settings.watchdog_compute_window.as_millis() as u64,
+        shell.settings.watchdog_compute_margin,
+    );
+    let mut rounds = Rounds::new(Cadence::default(), compute);
+    let mut action = rounds.action();
     loop {
-        // A fixed cadence; a slow round is not made up for by a burst of quick ones.
-        next = (next + PERIOD).max(Instant::now());
-        std::thread::sleep(next.saturating_duration_since(Instant::now()));
-        round += 1;
-        // Every line a round logs carries its number.
-        let _round = tracing::debug_span!("round", n = round).entered();
-        // Pod UIDs (for attributing processes by cgroup) of containers none of whose
-        // processes registered yet — e.g. one that bypasses the library. The kubelet's
-        // checkpoint is read at most once a second for this, and outside the lock.
-        if last_uid_lookup.elapsed() >= UID_LOOKUP_PERIOD && shared.core.lock().uids_wanted() {
-            last_uid_lookup = Instant::now();
-            let path = shared.core.lock().settings.kubelet_checkpoint.clone();
-            let entries = crate::core::read_checkpoint(&path);
-            shared.core.lock().apply_pod_uids(&entries);
-        }
-        let (allocs, settings, (mut regions, missing), gpu_memory, placed, uuids, mut known) = {
-            let c = shared.core.lock();
-            // What is allocated on each GPU (started or not), for the metrics.
-            let placed: Vec<(Vec<String>, u32, u64)> = c
-                .allocations()
-                .map(|a| (a.gpus.clone(), a.percent, a.quota))
-                .collect();
-            let gpu_memory: Vec<u64> = c.inventory.gpus.iter().map(|g| g.memory).collect();
-            let allocs: Vec<Allocation> =
-                c.allocations().filter(|a| a.finished()).cloned().collect();
-            (
-                allocs,
-                c.settings.clone(),
-                c.regions(),
-                gpu_memory,
-                placed,
-                c.inventory.node.uuids.clone(),
-                c.registrations(),
-            )
+        action = match action {
+            Action::Sleep { until_ms } => {
+                let now_ms = shell.sleep_until(until_ms);
+                rounds.step(Event::Woke { now_ms })
+            }
+            first => {
+                // Every line a round logs carries its number.
+                let _round = tracing::debug_span!("round", n = rounds.round()).entered();
+                shell.round(&mut rounds, first)
+            }
         };
-        // After a manager restart: open the regions of running containers (outside the
-        // state lock; never following a link), and keep them for the allocations' life.
-        for crate::core::Unopened { id, path, uuids } in missing {
+    }
+}
+
+/// The loop's reading and writing: it carries out what [`Rounds`] asks and keeps what the
+/// next rounds need besides the decisions' state.
+struct Shell {
+    nvml: &'static Nvml,
+    shared: Arc<Shared>,
+    /// Runs the one asynchronous step (PodResources, for garbage collection).
+    rt: tokio::runtime::Handle,
+    settings: Settings,
+    /// Times handed to [`Rounds`] are milliseconds since this.
+    epoch: Instant,
+    /// Allocations whose region could not be used (logged once per episode).
+    faults: Faults,
+    /// GPU names, for the view.
+    names: Vec<String>,
+    /// Per GPU: the newest process-utilization sample seen.
+    last_seen: Vec<u64>,
+    /// Per (GPU, pid): its last utilization and when (ms) it was seen.
+    recent: HashMap<(usize, u32), (u32, u64)>,
+}
+
+/// What one round read, step by step; the view shows it at the round's end.
+#[derive(Default)]
+struct Round {
+    /// Started allocations.
+    allocs: Vec<Allocation>,
+    /// Every allocation's (GPUs, percent, quota), started or not.
+    placed: Vec<(Vec<String>, u32, u64)>,
+    gpu_memory: Vec<u64>,
+    uuids: Vec<String>,
+    /// What each region said; `None`: it did not read (the container's fault).
+    snapshots: HashMap<String, Option<Snapshot>>,
+    /// Registered processes (the kernel vouched for them), by host pid.
+    known: BTreeMap<u32, Registration>,
+    /// Host pid → allocation, and → pid in its container, for registered processes.
+    registered: HashMap<u32, String>,
+    inner_pid: HashMap<u32, u32>,
+    /// Pod UID → allocation, for attributing unregistered processes by cgroup.
+    by_uid: BTreeMap<String, String>,
+    /// Driver-reported memory per (allocation, GPU of the allocation) and per (allocation,
+    /// host pid); the pids per allocation, in the driver's order.
+    usage: BTreeMap<Key, u64>,
+    proc_mem: BTreeMap<(String, u32), u64>,
+    pids: BTreeMap<String, Vec<u32>>,
+    gpu_obs: Vec<gpus::GpuSample>,
+    /// Summed utilization per (allocation, GPU of the allocation).
+    util: BTreeMap<Key, u32>,
+}
+
+impl Round {
+    fn alloc(&self, id: &str) -> Option<&Allocation> {
+        self.allocs.iter().find(|a| a.id == id)
+    }
+
+    /// The index, among allocation `id`'s GPUs, of the GPU `uuid`.
+    fn dev_of(&self, id: &str, uuid: &str) -> Option<usize> {
+        self.alloc(id)?.gpus.iter().position(|u| u == uuid)
+    }
+
+    /// Which started allocation host process `pid` belongs to ([`owner_of`]).
+    fn owner(&self, proc_root: &Path, pid: u32) -> Option<String> {
+        let cgroup =
+            |pid: u32| std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok();
+        owner_of(pid, &self.registered, &self.by_uid, &cgroup)
+    }
+}
+
+impl Shell {
+    fn new(nvml: &'static Nvml, shared: Arc<Shared>, rt: tokio::runtime::Handle) -> Shell {
+        let (settings, count) = {
+            let c = shared.core.lock();
+            (c.settings.clone(), c.inventory.gpus.len())
+        };
+        Shell {
+            nvml,
+            shared,
+            rt,
+            settings,
+            epoch: Instant::now(),
+            faults: Faults::default(),
+            names: (0..count as u32)
+                .map(|i| gpus::name(nvml, i).unwrap_or_default())
+                .collect(),
+            last_seen: vec![0; count],
+            recent: HashMap::new(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Sleep until `until_ms`; returns when it woke.
+    fn sleep_until(&self, until_ms: u64) -> u64 {
+        std::thread::sleep(Duration::from_millis(until_ms).saturating_sub(self.epoch.elapsed()));
+        self.now_ms()
+    }
+
+    /// Carry out one round's actions, from `action` until `rounds` says to sleep (returned).
+    fn round(&mut self, rounds: &mut Rounds, mut action: Action) -> Action {
+        let mut seen = Round::default();
+        loop {
+            let event = match &action {
+                Action::Sleep { .. } => return action,
+                Action::Do { step, .. } => match step {
+                    Step::LookUpUids => self.look_up_uids(),
+                    Step::Tend => {
+                        seen = self.tend();
+                        let started = seen.allocs.iter().map(|a| a.id.clone()).collect();
+                        Event::Tended { started }
+                    }
+                    Step::WatchMemory => self.watch_memory(&mut seen),
+                    Step::Sample => self.sample(&mut seen),
+                    Step::Publish => self.publish(&seen, rounds),
+                    Step::Collect => self.collect_garbage(),
+                },
+                Action::Enforce { verdicts, .. } => self.enforce(&seen, verdicts),
+            };
+            action = rounds.step(event);
+        }
+    }
+
+    /// Pod UIDs (for attributing processes by cgroup) of containers none of whose
+    /// processes registered yet — e.g. one that bypasses the library — from the kubelet's
+    /// checkpoint, read outside the lock.
+    #[tracing::instrument(level = "debug", skip_all)]
+    fn look_up_uids(&self) -> Event {
+        if !self.shared.core.lock().uids_wanted() {
+            return Event::NothingWanted;
+        }
+        let entries = crate::core::read_checkpoint(&self.settings.kubelet_checkpoint);
+        self.shared.core.lock().apply_pod_uids(&entries);
+        Event::Done {
+            now_ms: self.now_ms(),
+        }
+    }
+
+    /// Every started allocation's region (reclaim, share, read), then who is whose.
+    #[tracing::instrument(level = "debug", skip_all)]
+    fn tend(&mut self) -> Round {
+        let (mut round, (mut regions, missing)) = {
+            let c = self.shared.core.lock();
+            let round = Round {
+                allocs: c.allocations().filter(|a| a.finished()).cloned().collect(),
+                placed: c
+                    .allocations()
+                    .map(|a| (a.gpus.clone(), a.percent, a.quota))
+                    .collect(),
+                gpu_memory: c.inventory.gpus.iter().map(|g| g.memory).collect(),
+                uuids: c.inventory.node.uuids.clone(),
+                known: c.registrations(),
+                ..Round::default()
+            };
+            (round, c.regions())
+        };
+        regions.extend(self.open_missing(missing));
+        round.snapshots = tend_all(&regions, &round.allocs, &mut self.faults);
+        self.attribute(&mut round);
+        round
+    }
+
+    /// After a manager restart: open the regions of running containers (outside the state
+    /// lock; never following a link), and keep them for the allocations' life.
+    fn open_missing(&mut self, missing: Vec<Unopened>) -> Vec<(String, Arc<RegionFile>)> {
+        let mut opened = Vec::new();
+        for Unopened { id, path, uuids } in missing {
             match RegionFile::open(&path, &uuids) {
                 Ok(r) => {
                     let r = Arc::new(r);
-                    shared.core.lock().adopt_region(&id, r.clone());
-                    regions.push((id, r));
+                    self.shared.core.lock().adopt_region(&id, r.clone());
+                    opened.push((id, r));
                 }
                 Err(e) => {
-                    if faulty.insert(id.clone()) {
+                    if self.faults.failed(&id) {
                         warn!(allocation = %id, error = %e, "cannot open the region");
                     }
                 }
             }
         }
-        // What each region said this round; `None`: it did not read (the container's fault).
-        let mut snapshots: HashMap<String, Option<Snapshot>> = HashMap::new();
-        for (id, r) in &regions {
-            let Some(a) = allocs.iter().find(|a| &a.id == id) else {
-                continue;
-            };
-            let snapshot = tend(r, a).inspect_err(|e| {
-                if faulty.insert(id.clone()) {
-                    warn!(allocation = %id, error = %e, "the container's region is unusable: its usage counts as its whole quota until it is fixed");
-                }
-            });
-            if snapshot.is_ok() && faulty.remove(id) {
-                info!(allocation = %id, "the container's region is readable again");
-            }
-            snapshots.insert(id.clone(), snapshot.ok());
-        }
-        // Who is whose: the processes the kernel vouched for at registration, less those
-        // gone since; after a manager restart, the region's claims the kernel confirms.
-        // Never a host pid as the container wrote it.
-        let proc_root = settings.proc_root.clone();
-        let gone: Vec<u32> = known
+        opened
+    }
+
+    /// Who is whose: the processes the kernel vouched for at registration, less those gone
+    /// since; after a manager restart, the region's claims the kernel confirms. Never a
+    /// host pid as the container wrote it.
+    fn attribute(&self, r: &mut Round) {
+        let proc_root = &self.settings.proc_root;
+        let gone: Vec<u32> = r
+            .known
             .iter()
-            .filter(|(pid, r)| proc_start(&proc_root, **pid) != Some(r.start_time))
+            .filter(|(pid, reg)| proc_start(proc_root, **pid) != Some(reg.start_time))
             .map(|(pid, _)| *pid)
             .collect();
-        known.retain(|pid, _| !gone.contains(pid));
+        r.known.retain(|pid, _| !gone.contains(pid));
+        let vouched = self.vouch(r);
+        if !gone.is_empty() || !vouched.is_empty() {
+            let mut c = self.shared.core.lock();
+            c.forget(&gone);
+            for (pid, reg) in vouched {
+                c.register(pid, reg);
+            }
+        }
+        r.registered = r
+            .known
+            .iter()
+            .map(|(p, reg)| (*p, reg.allocation.clone()))
+            .collect();
+        r.inner_pid = r.known.iter().map(|(p, reg)| (*p, reg.pid)).collect();
+        r.by_uid = r
+            .allocs
+            .iter()
+            .filter_map(|a| Some((a.owner.as_ref()?.uid.clone()?, a.id.clone())))
+            .collect();
+    }
+
+    /// The regions' claims of processes not registered yet that the kernel confirms (added
+    /// to `r.known`).
+    fn vouch(&self, r: &mut Round) -> Vec<(u32, Registration)> {
         let mut vouched = Vec::new();
-        for (id, s) in snapshots
+        for (id, s) in r
+            .snapshots
             .iter()
             .filter_map(|(id, s)| Some((id, s.as_ref()?)))
         {
             for p in s.active().filter(|p| p.host_pid != 0) {
-                if known.contains_key(&p.host_pid) {
+                if r.known.contains_key(&p.host_pid) {
                     continue;
                 }
-                let claimant = shared.core.lock().claimant(id);
+                let claimant = self.shared.core.lock().claimant(id);
                 if claimant
                     .and_then(|c| c.verify(p.host_pid, p.pid, p.start_time))
                     .is_ok()
                 {
-                    let r = Registration {
+                    let reg = Registration {
                         allocation: id.clone(),
                         pid: p.pid,
                         start_time: p.start_time,
                     };
-                    known.insert(p.host_pid, r.clone());
-                    vouched.push((p.host_pid, r));
+                    r.known.insert(p.host_pid, reg.clone());
+                    vouched.push((p.host_pid, reg));
                 }
             }
         }
-        if !gone.is_empty() || !vouched.is_empty() {
-            let mut c = shared.core.lock();
-            c.forget(&gone);
-            for (pid, r) in vouched {
-                c.register(pid, r);
-            }
-        }
-        let registered: HashMap<u32, String> = known
-            .iter()
-            .map(|(p, r)| (*p, r.allocation.clone()))
-            .collect();
-        // host pid → pid in its container, for registered processes.
-        let inner_pid: HashMap<u32, u32> = known.iter().map(|(p, r)| (*p, r.pid)).collect();
-        faulty.retain(|id| allocs.iter().any(|a| &a.id == id));
+        vouched
+    }
 
-        // Watchdog.
-        let by_uid: BTreeMap<String, String> = allocs
-            .iter()
-            .filter_map(|a| Some((a.owner.as_ref()?.uid.clone()?, a.id.clone())))
-            .collect();
-        let cgroup =
-            |pid: u32| std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok();
-        let mut usage: BTreeMap<(String, usize), u64> = BTreeMap::new();
-        let mut pids: BTreeMap<String, Vec<u32>> = BTreeMap::new();
-        let mut proc_mem: BTreeMap<(String, u32), u64> = BTreeMap::new();
-        for (g, uuid) in uuids.iter().enumerate() {
-            let Ok(list) = gpus::processes(nvml, g as u32) else {
+    /// The memory the driver reports for each container's processes (registered, or in
+    /// its pod's cgroup) on each of its GPUs, against its quota.
+    #[tracing::instrument(level = "debug", skip_all)]
+    fn watch_memory(&self, r: &mut Round) -> Event {
+        let mut found = Vec::new();
+        for (g, uuid) in r.uuids.iter().enumerate() {
+            let Ok(list) = gpus::processes(self.nvml, g as u32) else {
                 continue;
             };
             for p in list {
-                if let Some(a) = owner_of(p.pid, &registered, &by_uid, &cgroup) {
-                    if let Some(dev) = allocs
-                        .iter()
-                        .find(|x| x.id == a)
-                        .and_then(|x| x.gpus.iter().position(|u| u == uuid))
-                    {
-                        *usage.entry((a.clone(), dev)).or_default() += p.bytes;
-                        *proc_mem.entry((a.clone(), p.pid)).or_default() += p.bytes;
-                        pids.entry(a).or_default().push(p.pid);
-                    }
+                let Some(a) = r.owner(&self.settings.proc_root, p.pid) else {
+                    continue;
+                };
+                if let Some(dev) = r.dev_of(&a, uuid) {
+                    found.push((a, dev, p.pid, p.bytes));
                 }
             }
         }
-        // Whole GPUs have no quota beyond the GPU itself.
-        let quota = |id: &str, _dev: usize| {
-            let a = allocs.iter().find(|a| a.id == id)?;
-            Some(if a.percent >= 100 { u64::MAX } else { a.quota })
-        };
-        let over = violations(&usage, &quota);
-        let mut now_over = Vec::new();
-        for (id, dev, used, q) in over {
-            now_over.push((id.clone(), dev));
-            // Twice in a row: the library releases right after the driver frees, so one
-            // sample may catch a free in flight.
-            if !over_before.contains(&(id.clone(), dev)) {
-                continue;
-            }
-            *violated.entry((id.clone(), dev)).or_default() += 1;
-            let who = allocs
-                .iter()
-                .find(|a| a.id == id)
-                .and_then(|a| a.owner.as_ref())
-                .map(|o| o.key())
-                .unwrap_or_default();
-            let ps = pids.get(&id).cloned().unwrap_or_default();
-            warn!(allocation = %id, container = %who, gpu = dev, used_mib = used >> 20, quota_mib = q >> 20, pids = ?ps, "watchdog: the driver reports more memory than the quota (a process bypasses libvcuda?)");
-            if settings.watchdog_kill {
-                kill_all(&proc_root, allocs.iter().find(|a| a.id == id), &ps);
-            }
+        for (a, dev, pid, bytes) in found {
+            *r.usage.entry((a.clone(), dev)).or_default() += bytes;
+            *r.proc_mem.entry((a.clone(), pid)).or_default() += bytes;
+            r.pids.entry(a).or_default().push(pid);
         }
-        over_before = now_over;
-        violated.retain(|(id, _), _| allocs.iter().any(|a| &a.id == id));
+        let quota = |id: &str, _dev: usize| r.alloc(id).map(watchdog::memory_quota);
+        Event::MemoryRead {
+            over: watchdog::violations(&r.usage, &quota),
+        }
+    }
 
-        // What the GPUs did: memory, utilization, and each process's utilization (NVML
-        // returns the samples newer than the last one seen; a process without a recent
-        // sample was idle).
-        let now = Instant::now();
-        let mut gpu_obs = Vec::new();
-        for (g, seen) in last_seen.iter_mut().enumerate() {
-            let mut s = gpus::sample(nvml, g as u32, *seen);
+    /// What the GPUs did: memory, utilization, and each process's utilization (NVML
+    /// returns the samples newer than the last one seen; a process without a recent sample
+    /// was idle), summed per container GPU for the compute watchdog.
+    #[tracing::instrument(level = "debug", skip_all)]
+    fn sample(&mut self, r: &mut Round) -> Event {
+        let now_ms = self.now_ms();
+        for (g, seen) in self.last_seen.iter_mut().enumerate() {
+            let mut s = gpus::sample(self.nvml, g as u32, *seen);
             s.processes.sort_by_key(|p| p.timestamp_us); // the newest sample wins
             for p in &s.processes {
                 *seen = (*seen).max(p.timestamp_us);
-                recent.insert((g, p.pid), (p.sm_util, now));
+                self.recent.insert((g, p.pid), (p.sm_util, now_ms));
             }
-            gpu_obs.push(s);
+            r.gpu_obs.push(s);
         }
-        recent.retain(|_, (_, at)| now.duration_since(*at) < UTIL_FRESH);
-        let mut util: HashMap<(String, usize), u32> = HashMap::new();
-        for (&(g, pid), &(sm, _)) in &recent {
-            let Some(uuid) = uuids.get(g) else { continue };
-            if let Some(a) = owner_of(pid, &registered, &by_uid, &cgroup) {
-                if let Some(dev) = allocs
-                    .iter()
-                    .find(|x| x.id == a)
-                    .and_then(|x| x.gpus.iter().position(|u| u == uuid))
-                {
-                    *util.entry((a, dev)).or_default() += sm;
-                }
+        self.recent
+            .retain(|_, (_, at)| now_ms.saturating_sub(*at) < UTIL_FRESH_MS);
+        for (&(g, pid), &(sm, _)) in &self.recent {
+            let Some(uuid) = r.uuids.get(g) else { continue };
+            let Some(a) = r.owner(&self.settings.proc_root, pid) else {
+                continue;
+            };
+            if let Some(dev) = r.dev_of(&a, uuid) {
+                *r.util.entry((a, dev)).or_default() += sm;
             }
         }
-        // The compute watchdog: a container's driver-reported utilization on each of its
-        // GPUs against its limit, over a window (vcuda_manager_core::watchdog).
-        let now_ms = epoch.elapsed().as_millis() as u64;
-        for a in allocs.iter().filter(|a| a.percent < 100) {
-            let limit = a.core_limit.unwrap_or(a.percent).max(a.percent);
-            for dev in 0..a.gpus.len() {
-                let key = (a.id.clone(), dev);
-                let used = util.get(&key).copied().unwrap_or(0);
-                let Some(mean) = compute.observe(key.clone(), now_ms, used, limit) else {
-                    continue;
-                };
-                *compute_violated.entry(key).or_default() += 1;
-                let who = a.owner.as_ref().map(|o| o.key()).unwrap_or_default();
-                let ps: Vec<u32> = recent
-                    .iter()
-                    .filter(|((g, _), (sm, _))| *sm > 0 && uuids.get(*g) == a.gpus.get(dev))
-                    .map(|((_, pid), _)| *pid)
-                    .filter(|pid| {
-                        owner_of(*pid, &registered, &by_uid, &cgroup).as_deref()
-                            == Some(a.id.as_str())
-                    })
-                    .collect();
-                warn!(allocation = %a.id, container = %who, gpu = dev, utilization_percent = mean, limit_percent = limit, window_s = settings.watchdog_compute_window.as_secs(), pids = ?ps, "watchdog: the driver reports more compute than the limit (a process bypasses libvcuda?)");
-                if settings.watchdog_kill {
-                    kill_all(&proc_root, Some(a), &ps);
-                }
-            }
-        }
-        compute.retain(|(id, _)| allocs.iter().any(|a| &a.id == id));
-        compute_violated.retain(|(id, _), _| allocs.iter().any(|a| &a.id == id));
-
-        let health = shared.health.borrow().clone();
-        let observed = Observed {
-            uuids: &uuids,
-            names: &names,
-            gpu_memory: &gpu_memory,
-            gpus: &gpu_obs,
-            health: &health,
-            placed: &placed,
-            allocs: &allocs,
-            regions: &snapshots,
-            driver: &usage,
-            util: &util,
-            proc_mem: &proc_mem,
-            inner_pid: &inner_pid,
-            known: &known,
-            violated: &violated,
-            compute_violated: &compute_violated,
-        };
-        *shared.view.lock() = observed.view();
-
-        if last_gc.elapsed() >= GC_PERIOD {
-            last_gc = Instant::now();
-            rt.block_on(collect(&shared, &settings));
-            if let Err(e) = shared.core.lock().compact_checkpoint() {
-                warn!(error = %e, "cannot compact the checkpoint; it keeps growing until this is fixed");
-            }
+        let utilization = r
+            .allocs
+            .iter()
+            .filter_map(|a| Some((a, watchdog::compute_limit(a)?)))
+            .flat_map(|(a, limit_percent)| {
+                (0..a.gpus.len()).map(move |dev| (a.id.clone(), dev, limit_percent))
+            })
+            .map(|(id, dev, limit_percent)| Utilization {
+                percent: r.util.get(&(id.clone(), dev)).copied().unwrap_or(0),
+                key: (id, dev),
+                limit_percent,
+            })
+            .collect();
+        Event::Sampled {
+            now_ms,
+            utilization,
         }
     }
+
+    /// Act on the watchdog's verdicts: say so, and kill the container's processes if
+    /// configured (only those still in its pod: [`kill_in_pod`]).
+    #[tracing::instrument(level = "debug", skip_all, fields(verdicts = verdicts.len()))]
+    fn enforce(&self, r: &Round, verdicts: &[Verdict]) -> Event {
+        let proc_root = &self.settings.proc_root;
+        for v in verdicts {
+            let (id, dev) = match v {
+                Verdict::Memory(o) => &o.key,
+                Verdict::Compute { key, .. } => key,
+            };
+            let alloc = r.alloc(id);
+            let who = alloc
+                .and_then(|a| a.owner.as_ref())
+                .map(|o| o.key())
+                .unwrap_or_default();
+            let ps = match v {
+                Verdict::Memory(o) => {
+                    let ps = r.pids.get(id).cloned().unwrap_or_default();
+                    warn!(allocation = %id, container = %who, gpu = dev, used_mib = o.used >> 20, quota_mib = o.quota >> 20, pids = ?ps, "watchdog: the driver reports more memory than the quota (a process bypasses libvcuda?)");
+                    ps
+                }
+                Verdict::Compute {
+                    mean_percent,
+                    limit_percent,
+                    ..
+                } => {
+                    let ps = self.busy_pids(r, id, *dev);
+                    warn!(allocation = %id, container = %who, gpu = dev, utilization_percent = mean_percent, limit_percent = limit_percent, window_s = self.settings.watchdog_compute_window.as_secs(), pids = ?ps, "watchdog: the driver reports more compute than the limit (a process bypasses libvcuda?)");
+                    ps
+                }
+            };
+            if self.settings.watchdog_kill {
+                kill_all(proc_root, alloc, &ps);
+            }
+        }
+        Event::Done {
+            now_ms: self.now_ms(),
+        }
+    }
+
+    /// The processes of allocation `id` with a recent non-zero utilization sample on its
+    /// GPU `dev`.
+    fn busy_pids(&self, r: &Round, id: &str, dev: usize) -> Vec<u32> {
+        let gpu = r.alloc(id).and_then(|a| a.gpus.get(dev));
+        self.recent
+            .iter()
+            .filter(|((g, _), (sm, _))| *sm > 0 && r.uuids.get(*g) == gpu)
+            .map(|((_, pid), _)| *pid)
+            .filter(|pid| r.owner(&self.settings.proc_root, *pid).as_deref() == Some(id))
+            .collect()
+    }
+
+    /// The one view both the query API and `/metrics` show.
+    #[tracing::instrument(level = "debug", skip_all)]
+    fn publish(&self, r: &Round, rounds: &Rounds) -> Event {
+        let health = self.shared.health.borrow().clone();
+        let observed = Observed {
+            uuids: &r.uuids,
+            names: &self.names,
+            gpu_memory: &r.gpu_memory,
+            gpus: &r.gpu_obs,
+            health: &health,
+            placed: &r.placed,
+            allocs: &r.allocs,
+            regions: &r.snapshots,
+            driver: &r.usage,
+            util: &r.util,
+            proc_mem: &r.proc_mem,
+            inner_pid: &r.inner_pid,
+            known: &r.known,
+            violated: rounds.memory_violations(),
+            compute_violated: rounds.compute_violations(),
+        };
+        *self.shared.view.lock() = observed.view();
+        Event::Done {
+            now_ms: self.now_ms(),
+        }
+    }
+
+    /// Remove allocations whose container left PodResources, and compact the checkpoint.
+    #[tracing::instrument(level = "debug", skip_all)]
+    fn collect_garbage(&self) -> Event {
+        self.rt.block_on(collect(&self.shared, &self.settings));
+        if let Err(e) = self.shared.core.lock().compact_checkpoint() {
+            warn!(error = %e, "cannot compact the checkpoint; it keeps growing until this is fixed");
+        }
+        Event::Done {
+            now_ms: self.now_ms(),
+        }
+    }
+}
+
+/// Every region's care this round ([`tend`]): what each said, `None` where it did not read
+/// (the container's fault, logged once per episode). A region that fails keeps no other
+/// from being tended.
+fn tend_all(
+    regions: &[(String, Arc<RegionFile>)],
+    allocs: &[Allocation],
+    faults: &mut Faults,
+) -> HashMap<String, Option<Snapshot>> {
+    let mut snapshots = HashMap::new();
+    for (id, r) in regions {
+        let Some(a) = allocs.iter().find(|a| &a.id == id) else {
+            continue;
+        };
+        let snapshot = tend(r, a).inspect_err(|e| {
+            if faults.failed(id) {
+                warn!(allocation = %id, error = %e, "the container's region is unusable: its usage counts as its whole quota until it is fixed");
+            }
+        });
+        if snapshot.is_ok() && faults.read(id) {
+            info!(allocation = %id, "the container's region is readable again");
+        }
+        snapshots.insert(id.clone(), snapshot.ok());
+    }
+    faults.retain(|id| allocs.iter().any(|a| a.id == id));
+    snapshots
 }
 
 /// One of a region's per-GPU statistics (0 when unread).
@@ -502,144 +653,146 @@ struct Observed<'a> {
     /// What each allocation's region said this round (`None`: unreadable, counted full).
     regions: &'a HashMap<String, Option<Snapshot>>,
     /// Driver-reported memory per (allocation, GPU of the allocation).
-    driver: &'a BTreeMap<(String, usize), u64>,
+    driver: &'a BTreeMap<Key, u64>,
     /// Summed utilization per (allocation, GPU of the allocation).
-    util: &'a HashMap<(String, usize), u32>,
+    util: &'a BTreeMap<Key, u32>,
     /// Driver-reported memory per (allocation, host pid).
     proc_mem: &'a BTreeMap<(String, u32), u64>,
     inner_pid: &'a HashMap<u32, u32>,
     /// Registered processes (the kernel vouched for them), by host pid.
     known: &'a BTreeMap<u32, Registration>,
-    violated: &'a HashMap<(String, usize), u64>,
-    compute_violated: &'a HashMap<(String, usize), u64>,
+    /// The watchdogs' verdicts per (allocation, GPU of the allocation) since start.
+    violated: &'a BTreeMap<Key, u64>,
+    compute_violated: &'a BTreeMap<Key, u64>,
 }
 
 impl Observed<'_> {
     /// The view `vcuda-smi` and `/metrics` show after this round.
     fn view(&self) -> View {
-        let gpus = self
-            .uuids
-            .iter()
-            .enumerate()
-            .map(|(i, uuid)| {
-                let total = self.gpu_memory.get(i).copied().unwrap_or(0);
-                let obs = self.gpus.get(i);
-                let mut g = GpuView {
-                    index: i as u32,
-                    uuid: uuid.clone(),
-                    name: self.names.get(i).cloned().unwrap_or_default(),
-                    memory_total_bytes: total,
-                    memory_used_bytes: obs.map_or(0, |o| o.memory_used),
-                    utilization_percent: obs.and_then(|o| o.utilization),
-                    healthy: self.health.get(i).copied().unwrap_or(true),
-                    ..GpuView::default()
-                };
-                for (_, percent, quota) in self.placed.iter().filter(|(on, _, _)| on.contains(uuid))
-                {
-                    let whole = *percent >= 100;
-                    g.core_allocated_percent += if whole { 100 } else { *percent };
-                    g.memory_allocated_bytes += if whole { total } else { *quota };
-                }
-                g
-            })
-            .collect();
-        let mut containers = Vec::new();
-        for a in self.allocs {
-            let Some(owner) = a.owner.as_ref() else {
-                continue;
-            };
-            let region = self.regions.get(&a.id);
-            let snapshot = region.and_then(Option::as_ref);
-            let whole = a.percent >= 100;
-            let share = if whole { 100 } else { a.percent };
-            let gpus = a
-                .gpus
-                .iter()
-                .enumerate()
-                .map(|(dev, uuid)| {
-                    let index = self.uuids.iter().position(|u| u == uuid).unwrap_or(dev);
-                    let key = (a.id.clone(), dev);
-                    ContainerGpuView {
-                        index: index as u32,
-                        uuid: uuid.clone(),
-                        core_share_percent: share,
-                        core_limit_percent: a.core_limit.map_or(share, |l| l.clamp(share, 100)),
-                        utilization_percent: Some(self.util.get(&key).copied().unwrap_or(0)),
-                        // A region the container broke counts as full, never as empty.
-                        memory_used_bytes: match region {
-                            Some(Some(s)) => s.used(dev),
-                            Some(None) => a.quota,
-                            None => 0,
-                        },
-                        memory_quota_bytes: if whole {
-                            self.gpu_memory.get(index).copied().unwrap_or(0)
-                        } else {
-                            a.quota
-                        },
-                        memory_driver_bytes: self.driver.get(&key).copied().unwrap_or(0),
-                        throttled_ns: stat(snapshot, |s| &s.throttled_ns, dev),
-                        oom_refusals: stat(snapshot, |s| &s.oom_refusals, dev),
-                        accounting_errors: stat(snapshot, |s| &s.accounting_errors, dev),
-                        watchdog_violations: self.violated.get(&key).copied().unwrap_or(0),
-                        watchdog_compute_violations: self
-                            .compute_violated
-                            .get(&key)
-                            .copied()
-                            .unwrap_or(0),
-                    }
-                })
-                .collect();
-            // Registered processes, and any other the driver lists in the pod's cgroup.
-            let mut processes: BTreeMap<u32, ProcessView> = BTreeMap::new();
-            for (host_pid, r) in self.known.iter().filter(|(_, r)| r.allocation == a.id) {
-                processes.insert(
-                    *host_pid,
-                    ProcessView {
-                        host_pid: *host_pid,
-                        pid: r.pid,
-                        memory_bytes: 0,
-                    },
-                );
-            }
-            for ((id, host_pid), bytes) in self.proc_mem.range((a.id.clone(), 0)..) {
-                if id != &a.id {
-                    break;
-                }
-                let e = processes.entry(*host_pid).or_insert(ProcessView {
-                    host_pid: *host_pid,
-                    pid: self.inner_pid.get(host_pid).copied().unwrap_or(0),
-                    memory_bytes: 0,
-                });
-                e.memory_bytes += bytes;
-            }
-            containers.push(ContainerView {
-                namespace: owner.namespace.clone(),
-                pod: owner.pod.clone(),
-                container: owner.container.clone(),
-                allocation: a.id.clone(),
-                gpus,
-                processes: processes.into_values().collect(),
-            });
-        }
         View {
             schema: SCHEMA,
             scope: "node".into(),
             taken_unix: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
-            gpus,
-            containers,
+            gpus: (0..self.uuids.len()).map(|i| self.gpu(i)).collect(),
+            containers: self
+                .allocs
+                .iter()
+                .filter_map(|a| self.container(a))
+                .collect(),
         }
+    }
+
+    /// The node's GPU `i`: what the driver says, and what is allocated on it.
+    fn gpu(&self, i: usize) -> GpuView {
+        let uuid = &self.uuids[i];
+        let total = self.gpu_memory.get(i).copied().unwrap_or(0);
+        let obs = self.gpus.get(i);
+        let mut g = GpuView {
+            index: i as u32,
+            uuid: uuid.clone(),
+            name: self.names.get(i).cloned().unwrap_or_default(),
+            memory_total_bytes: total,
+            memory_used_bytes: obs.map_or(0, |o| o.memory_used),
+            utilization_percent: obs.and_then(|o| o.utilization),
+            healthy: self.health.get(i).copied().unwrap_or(true),
+            ..GpuView::default()
+        };
+        for (_, percent, quota) in self.placed.iter().filter(|(on, _, _)| on.contains(uuid)) {
+            let whole = *percent >= 100;
+            g.core_allocated_percent += if whole { 100 } else { *percent };
+            g.memory_allocated_bytes += if whole { total } else { *quota };
+        }
+        g
+    }
+
+    /// Started allocation `a`'s container (`None` before PreStartContainer named it).
+    fn container(&self, a: &Allocation) -> Option<ContainerView> {
+        let owner = a.owner.as_ref()?;
+        Some(ContainerView {
+            namespace: owner.namespace.clone(),
+            pod: owner.pod.clone(),
+            container: owner.container.clone(),
+            allocation: a.id.clone(),
+            gpus: (0..a.gpus.len())
+                .map(|dev| self.container_gpu(a, dev))
+                .collect(),
+            processes: self.processes(a),
+        })
+    }
+
+    /// Allocation `a`'s GPU `dev` as its container sees it.
+    fn container_gpu(&self, a: &Allocation, dev: usize) -> ContainerGpuView {
+        let uuid = &a.gpus[dev];
+        let region = self.regions.get(&a.id);
+        let snapshot = region.and_then(Option::as_ref);
+        let whole = a.percent >= 100;
+        let share = if whole { 100 } else { a.percent };
+        let index = self.uuids.iter().position(|u| u == uuid).unwrap_or(dev);
+        let key = (a.id.clone(), dev);
+        ContainerGpuView {
+            index: index as u32,
+            uuid: uuid.clone(),
+            core_share_percent: share,
+            core_limit_percent: a.core_limit.map_or(share, |l| l.clamp(share, 100)),
+            utilization_percent: Some(self.util.get(&key).copied().unwrap_or(0)),
+            // A region the container broke counts as full, never as empty.
+            memory_used_bytes: match region {
+                Some(Some(s)) => s.used(dev),
+                Some(None) => a.quota,
+                None => 0,
+            },
+            memory_quota_bytes: if whole {
+                self.gpu_memory.get(index).copied().unwrap_or(0)
+            } else {
+                a.quota
+            },
+            memory_driver_bytes: self.driver.get(&key).copied().unwrap_or(0),
+            throttled_ns: stat(snapshot, |s| &s.throttled_ns, dev),
+            oom_refusals: stat(snapshot, |s| &s.oom_refusals, dev),
+            accounting_errors: stat(snapshot, |s| &s.accounting_errors, dev),
+            watchdog_violations: self.violated.get(&key).copied().unwrap_or(0),
+            watchdog_compute_violations: self.compute_violated.get(&key).copied().unwrap_or(0),
+        }
+    }
+
+    /// Allocation `a`'s registered processes, and any other the driver lists in the pod's
+    /// cgroup.
+    fn processes(&self, a: &Allocation) -> Vec<ProcessView> {
+        let mut processes: BTreeMap<u32, ProcessView> = BTreeMap::new();
+        for (host_pid, r) in self.known.iter().filter(|(_, r)| r.allocation == a.id) {
+            processes.insert(
+                *host_pid,
+                ProcessView {
+                    host_pid: *host_pid,
+                    pid: r.pid,
+                    memory_bytes: 0,
+                },
+            );
+        }
+        for ((id, host_pid), bytes) in self.proc_mem.range((a.id.clone(), 0)..) {
+            if id != &a.id {
+                break;
+            }
+            let e = processes.entry(*host_pid).or_insert(ProcessView {
+                host_pid: *host_pid,
+                pid: self.inner_pid.get(host_pid).copied().unwrap_or(0),
+                memory_bytes: 0,
+            });
+            e.memory_bytes += bytes;
+        }
+        processes.into_values().collect()
     }
 }
 
 /// Remove allocations no container holds any more (per PodResources), after a grace period.
-async fn collect(shared: &Shared, settings: &crate::settings::Settings) {
+async fn collect(shared: &Shared, settings: &Settings) {
     let Ok(list) = shared.fresh_list(&settings.pod_resources_socket).await else {
         return;
     };
     let core_name = Kind::Core.resource(&settings.domain);
-    let held: std::collections::HashSet<&str> = list
+    let held: HashSet<&str> = list
         .pod_resources
         .iter()
         .flat_map(|p| &p.containers)
@@ -651,14 +804,7 @@ async fn collect(shared: &Shared, settings: &crate::settings::Settings) {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let mut core = shared.core.lock();
-    let gone: Vec<String> = core
-        .allocations()
-        .filter(|a| {
-            now.saturating_sub(a.created) > GC_GRACE_SECS
-                && !a.cores.iter().any(|c| held.contains(c.as_str()))
-        })
-        .map(|a| a.id.clone())
-        .collect();
+    let gone = rounds::collectable(core.allocations(), &|c| held.contains(c), now);
     for id in gone {
         info!(allocation = %id, "its container is gone: removing the allocation");
         if let Err(e) = core.remove(&id) {
@@ -730,16 +876,49 @@ mod tests {
     }
 
     #[test]
-    fn usage_over_quota_is_a_violation() {
-        let usage: BTreeMap<(String, usize), u64> = [
-            (("a1".to_string(), 0), 5 << 30),
-            (("a2".to_string(), 0), 1 << 30),
-        ]
-        .into();
-        let q = |id: &str, _| Some(if id == "a1" { 4 << 30 } else { 2 << 30 });
-        assert_eq!(
-            violations(&usage, &q),
-            vec![("a1".to_string(), 0, 5 << 30, 4 << 30)]
+    fn a_region_that_does_not_read_keeps_no_other_from_being_tended() {
+        let d = tempfile::tempdir().unwrap();
+        let uuid = [7u8; 16];
+        let alloc = |id: &str| Allocation {
+            id: id.into(),
+            cores: vec![],
+            gpus: vec!["GPU-7".into()],
+            percent: 30,
+            memory: vec![],
+            quota: 1 << 30,
+            core_limit: None,
+            owner: None,
+            created: 0,
+        };
+        let allocs = [alloc("a1"), alloc("a2"), alloc("a3")];
+        let regions: Vec<(String, Arc<RegionFile>)> = ["a1", "a2", "a3"]
+            .iter()
+            .map(|id| {
+                let r = RegionFile::create_or_open(&d.path().join(id), &[uuid]).unwrap();
+                (id.to_string(), Arc::new(r))
+            })
+            .collect();
+        // The container of a2 truncates its region.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.path().join("a2"))
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        let mut faults = Faults::default();
+        let seen = tend_all(&regions, &allocs, &mut faults);
+        assert!(
+            seen["a1"].is_some() && seen["a3"].is_some(),
+            "the others read"
         );
+        assert!(seen["a2"].is_none(), "a2 counts as full");
+        for id in ["a1", "a3"] {
+            let bytes = std::fs::read(d.path().join(id)).unwrap();
+            let at = std::mem::offset_of!(vcuda_contract::region::RegionHeader, core_override);
+            let share = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+            assert_eq!(share, 300_000, "{id}: its share written");
+        }
+        assert!(!faults.failed("a2"), "a2's episode is already reported");
+        assert!(faults.failed("a1"));
     }
 }

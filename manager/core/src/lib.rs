@@ -12,7 +12,10 @@
 //! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (parsers over text
 //!   the daemon read);
 //! - [`inventory`]: the node's GPUs as found at start, and the XID health rule;
-//! - [`watchdog`]: the verdict on a container that runs over its compute share.
+//! - [`watchdog`]: the verdicts on a container that runs over its memory quota or compute
+//!   share;
+//! - [`rounds`]: the control loop's rounds as a state machine (steps, cadence, garbage
+//!   collection, the watchdogs' verdicts to act on).
 
 #![forbid(unsafe_code)]
 
@@ -22,4 +25,5 @@ pub mod identity;
 pub mod ids;
 pub mod inventory;
 pub mod placement;
+pub mod rounds;
 pub mod watchdog;

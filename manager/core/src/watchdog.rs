@@ -1,19 +1,89 @@
-//! The compute watchdog's rule (pure: no clock, no NVML). The library holds every process
-//! it runs in to the container's compute share; a process that bypasses it (a static
+//! The watchdog's rules (pure: no clock, no NVML). The library holds every process it runs
+//! in to the container's quota and compute share; a process that bypasses it (a static
 //! binary, raw ioctls, the library patched out of its memory) shows up only in what the
-//! driver reports. So each control-loop round feeds the container's driver-reported
-//! utilization on each of its GPUs here, and a container whose mean over a whole window
-//! exceeds its limit by more than a margin is in violation.
+//! driver reports. So each control-loop round feeds what the driver reports here:
+//! - memory ([`MemoryWatch`]): a container GPU whose driver-reported memory exceeds its
+//!   quota two rounds in a row is in violation (the library releases right after the driver
+//!   frees, so one sample may catch a free in flight);
+//! - compute ([`ComputeWatch`]): a container GPU whose driver-reported utilization, averaged
+//!   over a whole window, exceeds its limit by more than a margin is in violation.
 //!
 //! Why a window and a margin: the limiter is accurate to about ±2 pp over a second and lets
 //! a bucket of 10 ms through at once, and NVML's samples are integers over ~1/6 s periods.
 //! A 10 s window and a 10 pp margin (the defaults) never flag a container the library holds,
 //! and catch a bypass within about one window.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-/// What the rule needs to know per (allocation, GPU of the allocation).
+use crate::allocation::Allocation;
+
+/// What the rules watch: (allocation, GPU of the allocation).
 pub type Key = (String, usize);
+
+/// A container GPU over its memory quota by the driver's account.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Over {
+    pub key: Key,
+    /// Driver-reported bytes of the container's processes on the GPU.
+    pub used: u64,
+    pub quota: u64,
+}
+
+/// The memory quota the watchdog holds container `a` to on each of its GPUs: whole GPUs
+/// have none beyond the GPU itself.
+pub fn memory_quota(a: &Allocation) -> u64 {
+    if a.percent >= 100 {
+        u64::MAX
+    } else {
+        a.quota
+    }
+}
+
+/// The compute limit (percent) the watchdog holds container `a` to on each of its GPUs:
+/// its elastic limit, never below its share; `None` for whole GPUs (unthrottled).
+pub fn compute_limit(a: &Allocation) -> Option<u32> {
+    (a.percent < 100).then(|| a.core_limit.unwrap_or(a.percent).max(a.percent))
+}
+
+/// This round's container GPUs over their quota, from the driver-reported bytes per
+/// container GPU and each one's quota (`None`: not watched).
+pub fn violations(
+    usage: &BTreeMap<Key, u64>,
+    quota: &dyn Fn(&str, usize) -> Option<u64>,
+) -> Vec<Over> {
+    usage
+        .iter()
+        .filter_map(|((a, g), &used)| {
+            let quota = quota(a, *g)?;
+            (used > quota).then(|| Over {
+                key: (a.clone(), *g),
+                used,
+                quota,
+            })
+        })
+        .collect()
+}
+
+/// The memory rule: over the quota two rounds in a row.
+#[derive(Debug, Default)]
+pub struct MemoryWatch {
+    over_before: BTreeSet<Key>,
+}
+
+impl MemoryWatch {
+    /// One round's container GPUs over their quota ([`violations`]); returns those that
+    /// were over the round before too: the violations. A round that did not see a
+    /// container GPU over (freed, or the driver not asked) starts it afresh.
+    pub fn observe(&mut self, over: Vec<Over>) -> Vec<Over> {
+        let now: BTreeSet<Key> = over.iter().map(|o| o.key.clone()).collect();
+        let confirmed = over
+            .into_iter()
+            .filter(|o| self.over_before.contains(&o.key))
+            .collect();
+        self.over_before = now;
+        confirmed
+    }
+}
 
 /// The rule's settings and the recent samples of every container GPU it watches.
 #[derive(Debug)]
@@ -75,6 +145,77 @@ mod tests {
         ("a1".into(), 0)
     }
 
+    fn over(id: &str, used: u64) -> Over {
+        Over {
+            key: (id.into(), 0),
+            used,
+            quota: 4 << 30,
+        }
+    }
+
+    #[test]
+    fn usage_over_quota_is_a_violation() {
+        let usage: BTreeMap<Key, u64> = [
+            (("a1".to_string(), 0), 5 << 30),
+            (("a2".to_string(), 0), 1 << 30),
+            (("a3".to_string(), 0), 9 << 30),
+        ]
+        .into();
+        let q = |id: &str, _| match id {
+            "a1" => Some(4 << 30),
+            "a2" => Some(2 << 30),
+            _ => None,
+        };
+        assert_eq!(violations(&usage, &q), vec![over("a1", 5 << 30)]);
+    }
+
+    #[test]
+    fn a_whole_gpu_has_no_quota_and_no_compute_limit() {
+        let mut a = Allocation {
+            id: "a1".into(),
+            cores: vec![],
+            gpus: vec!["GPU-1".into()],
+            percent: 100,
+            memory: vec![],
+            quota: 1 << 30,
+            core_limit: None,
+            owner: None,
+            created: 0,
+        };
+        assert_eq!((memory_quota(&a), compute_limit(&a)), (u64::MAX, None));
+        a.percent = 30;
+        assert_eq!((memory_quota(&a), compute_limit(&a)), (1 << 30, Some(30)));
+        a.core_limit = Some(60);
+        assert_eq!(compute_limit(&a), Some(60), "elastic: up to its limit");
+        a.core_limit = Some(10);
+        assert_eq!(compute_limit(&a), Some(30), "never below its share");
+    }
+
+    #[test]
+    fn memory_over_the_quota_is_a_violation_only_the_second_round_in_a_row() {
+        let mut w = MemoryWatch::default();
+        assert_eq!(
+            w.observe(vec![over("a1", 5 << 30)]),
+            vec![],
+            "once: a free in flight?"
+        );
+        assert_eq!(
+            w.observe(vec![over("a1", 6 << 30), over("a2", 5 << 30)]),
+            vec![over("a1", 6 << 30)],
+            "twice: a1 is; a2 only once so far"
+        );
+        assert_eq!(
+            w.observe(vec![over("a1", 6 << 30)]),
+            vec![over("a1", 6 << 30)]
+        );
+        assert_eq!(w.observe(vec![]), vec![], "freed");
+        assert_eq!(
+            w.observe(vec![over("a1", 6 << 30)]),
+            vec![],
+            "starts afresh"
+        );
+    }
+
     #[test]
     fn a_bypass_is_flagged_once_a_whole_window_is_over_the_limit() {
         let mut w = ComputeWatch::new(10_000, 10);
@@ -130,6 +271,27 @@ mod tests {
     }
 
     proptest! {
+        /// Memory: a container GPU is a violation exactly when the round saw it over its
+        /// quota and the round before did too, whatever the others do.
+        #[test]
+        fn memory_is_a_violation_exactly_when_over_two_rounds_in_a_row(
+            rounds in proptest::collection::vec(proptest::collection::btree_set(0u8..4, 0..4), 1..40),
+        ) {
+            let mut w = MemoryWatch::default();
+            let mut before = BTreeSet::new();
+            for ids in rounds {
+                let over: Vec<Over> = ids.iter().map(|i| over(&i.to_string(), 5 << 30)).collect();
+                let flagged: BTreeSet<u8> = w
+                    .observe(over)
+                    .iter()
+                    .map(|o| o.key.0.parse().unwrap())
+                    .collect();
+                let expected: BTreeSet<u8> = ids.intersection(&before).copied().collect();
+                prop_assert_eq!(flagged, expected);
+                before = ids;
+            }
+        }
+
         /// A container held to its limit (anything at or under it, in any order) is never
         /// flagged, whatever the margin.
         #[test]
