@@ -18,16 +18,20 @@
 //! - [`daemon`]: the tasks, registration, and surviving kubelet restarts.
 
 pub mod apiserver;
+pub mod backend;
 pub mod baseline;
 pub mod control;
 pub mod control_loop;
 pub mod core;
 pub mod daemon;
 pub mod files;
+pub mod follow;
 pub mod gpus;
 pub mod journal;
 pub mod lookup;
 pub mod metrics;
 pub mod plugin;
+pub mod podresources;
 pub mod publisher;
 pub mod settings;
+pub mod state;
