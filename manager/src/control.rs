@@ -25,7 +25,7 @@ use vcuda_contract::control::{
 use vcuda_contract::view::View;
 
 use crate::core::ClaimError;
-use crate::plugin::Shared;
+use crate::state::Shared;
 
 /// A connection ended without its exchange: what the log says (the peer gets nothing more,
 /// the stream being unusable). Each names the peer's host pid.

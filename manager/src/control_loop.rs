@@ -21,8 +21,8 @@ use vcuda_contract::region_file::{RegionFile, Snapshot};
 
 use crate::core::{Registration, Unopened};
 use crate::gpus;
-use crate::plugin::Shared;
 use crate::settings::Settings;
+use crate::state::Shared;
 use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, ProcessView, View, SCHEMA};
 use vcuda_manager_core::allocation::Allocation;
 use vcuda_manager_core::identity;

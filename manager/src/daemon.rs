@@ -21,11 +21,13 @@ use vcuda_proto::constants;
 use vcuda_proto::deviceplugin::v1beta1 as dp;
 
 use crate::apiserver::ApiError;
+use crate::backend::Server;
 use crate::baseline::{self, BaselineError};
 use crate::core::{Core, CoreError};
 use crate::gpus;
-use crate::plugin::{self, Plugin, Shared};
+use crate::plugin::{self, Shares};
 use crate::settings::Settings;
+use crate::state::Shared;
 use vcuda_manager_core::ids::Kind;
 use vcuda_manager_core::inventory::Health;
 
@@ -335,10 +337,10 @@ impl Plugins {
                 }
             })?;
             let (tx, rx) = oneshot::channel();
-            let svc = dp::device_plugin_server::DevicePluginServer::new(Plugin {
+            let svc = dp::device_plugin_server::DevicePluginServer::new(Server::new(Shares::new(
                 kind,
-                shared: shared.clone(),
-            });
+                shared.clone(),
+            )));
             let task = tokio::spawn(async move {
                 let r = tonic::transport::Server::builder()
                     .add_service(svc)

@@ -11,23 +11,32 @@
 //! - [`journal`]: the checkpoint, an append-only file of allocation records;
 //! - [`core`]: the state (allocations, pairing, checkpoint) the services share;
 //! - [`lookup`]: when an earlier PodResources list may answer PreStartContainer (pure);
-//! - [`plugin`]: the DevicePlugin gRPC services and the PodResources lookup;
+//! - [`state`]: the daemon's state, one owner every task shares;
+//! - [`backend`]: a resource the kubelet is served (the seam for device modes) and the one
+//!   DevicePlugin gRPC server for any backend;
+//! - [`plugin`]: the shares backend (`vcuda-core`, `vcuda-memory`);
+//! - [`podresources`]: the kubelet's PodResources API and the prefetch;
+//! - [`follow`]: following the scheduler through the API server;
 //! - [`control`]: the control socket libvcuda registers over;
 //! - [`control_loop`]: shares, reclaim, watchdog, garbage collection, the metrics snapshot;
 //! - [`metrics`]: the Prometheus endpoint;
 //! - [`daemon`]: the tasks, registration, and surviving kubelet restarts.
 
 pub mod apiserver;
+pub mod backend;
 pub mod baseline;
 pub mod control;
 pub mod control_loop;
 pub mod core;
 pub mod daemon;
 pub mod files;
+pub mod follow;
 pub mod gpus;
 pub mod journal;
 pub mod lookup;
 pub mod metrics;
 pub mod plugin;
+pub mod podresources;
 pub mod publisher;
 pub mod settings;
+pub mod state;

@@ -17,7 +17,7 @@ use tracing::{debug, info, warn};
 use vcuda_cluster::{Reservations, INVENTORY_ANNOTATION, RESERVATIONS_ANNOTATION, SCHEMA};
 
 use crate::apiserver::{ApiError, ApiServer};
-use crate::plugin::Shared;
+use crate::state::Shared;
 use vcuda_manager_core::assign;
 
 /// Wait this long after a change before publishing (a pod's containers change together).

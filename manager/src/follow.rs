@@ -1,0 +1,239 @@
+//! Following the scheduler through the API server: which GPUs a GetPreferredAllocation
+//! should answer with, and the pod's word PreStartContainer checks the devices against
+//! (the decisions are `vcuda_manager_core::assign`'s; this is the reading).
+
+use std::collections::HashMap;
+
+use tracing::{info, warn};
+use vcuda_proto::deviceplugin::v1beta1 as dp;
+
+use crate::apiserver::ApiServer;
+use crate::podresources::PodResourcesError;
+use crate::state::Shared;
+use vcuda_cluster::GpuShare;
+use vcuda_manager_core::allocation::Holdings;
+use vcuda_manager_core::assign::{self, AssignError, Holds, PodFacts};
+use vcuda_manager_core::ids::{DeviceId, Kind};
+
+impl Shared {
+    /// With the API server: for each container of a GetPreferredAllocation, the GPUs the
+    /// answer should use (see [`assign::admitting`] and [`assign::wanted`]); `None` where the
+    /// manager chooses by itself (no pod found, the API server or PodResources not
+    /// answering).
+    pub async fn decide(
+        &self,
+        api: &ApiServer,
+        kind: Kind,
+        requests: &[dp::ContainerPreferredAllocationRequest],
+    ) -> Vec<Option<Vec<(String, usize)>>> {
+        let none = vec![None; requests.len()];
+        let node = self.core.lock().inventory.node.clone();
+        let (pods, reservations) = match api.vouched_pods().await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "GetPreferredAllocation without the scheduler's assignments");
+                return none;
+            }
+        };
+        // Nothing to follow: no list needed.
+        if !pods.iter().any(|p| {
+            !p.finished && (p.assignment.is_some() || matches!(p.gpu_count, Ok(n) if n > 1))
+        }) {
+            return none;
+        }
+        let (holds, gpus_of) = match self.holds().await {
+            Ok(h) => h,
+            Err(e) => {
+                warn!(error = %e, "GetPreferredAllocation without PodResources: choosing by myself");
+                return none;
+            }
+        };
+        let other = match kind {
+            Kind::Core => Kind::Memory,
+            Kind::Memory => Kind::Core,
+        };
+        let core = self.core.lock();
+        requests
+            .iter()
+            .map(|r| {
+                let size = r.allocation_size.max(0) as u64;
+                let (p, c) = assign::admitting(&pods, &holds, kind, size)?;
+                let available: Vec<DeviceId> = r
+                    .available_device_i_ds
+                    .iter()
+                    .filter_map(|i| DeviceId::parse(i))
+                    .collect();
+                let went = gpus_of
+                    .get(&(p.namespace.clone(), p.name.clone(), c.name.clone(), other))
+                    .cloned()
+                    .unwrap_or_default();
+                let assigned =
+                    assign::effective(p, &c.name, reservations.as_ref(), &core.overrides)
+                        .ok()
+                        .flatten();
+                let want = assign::wanted(
+                    p,
+                    c,
+                    assigned.as_deref(),
+                    kind,
+                    &node,
+                    &available,
+                    &went,
+                );
+                tracing::debug!(pod = %format!("{}/{}", p.namespace, p.name), container = %c.name, ?want, "GetPreferredAllocation for");
+                want
+            })
+            .collect()
+    }
+
+    /// Who holds which of our resources now (a fresh PodResources list), and on which GPUs.
+    pub async fn holds(
+        &self,
+    ) -> Result<(Holds, HashMap<(String, String, String, Kind), Vec<String>>), PodResourcesError>
+    {
+        let (socket, domain) = {
+            let core = self.core.lock();
+            (
+                core.settings.pod_resources_socket.clone(),
+                core.settings.domain.clone(),
+            )
+        };
+        let list = {
+            let _listing = self.listing.lock().await;
+            self.fresh_list(&socket).await?
+        };
+        let (core_name, mem_name) = (Kind::Core.resource(&domain), Kind::Memory.resource(&domain));
+        let mut holds = Holds::new();
+        let mut gpus_of: HashMap<(String, String, String, Kind), Vec<String>> = HashMap::new();
+        for p in &list.pod_resources {
+            for c in &p.containers {
+                for d in &c.devices {
+                    let k = if d.resource_name == core_name {
+                        Kind::Core
+                    } else if d.resource_name == mem_name {
+                        Kind::Memory
+                    } else {
+                        continue;
+                    };
+                    if d.device_ids.is_empty() {
+                        continue;
+                    }
+                    let key = (p.namespace.clone(), p.name.clone(), c.name.clone(), k);
+                    let g = gpus_of.entry(key.clone()).or_default();
+                    for id in d.device_ids.iter().filter_map(|i| DeviceId::parse(i)) {
+                        if !g.contains(&id.uuid) {
+                            g.push(id.uuid);
+                        }
+                    }
+                    holds.insert(key);
+                }
+            }
+        }
+        Ok((holds, gpus_of))
+    }
+
+    /// PreStartContainer with the API server: the pod, and the scheduler's decision its
+    /// container must agree with. When the devices disagree but an identical pending pod was
+    /// assigned exactly them (the kubelet admitted the two in another order than they were
+    /// bound), the two decisions are exchanged ([`assign::partner`]): this container's
+    /// decision becomes what it holds, the other pod's becomes this one's, and the publisher
+    /// writes the exchange into the Node's reservations.
+    pub async fn follow(
+        &self,
+        api: &ApiServer,
+        held: &Holdings,
+    ) -> (Option<PodFacts>, Option<Result<Vec<GpuShare>, AssignError>>) {
+        let (pod, reservations) = match api.vouched_pod(&held.namespace, &held.pod).await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "PreStartContainer without the pod's annotations (assignment and gpu-count not checked)");
+                return (None, None);
+            }
+        };
+        let Some(pod) = pod else {
+            return (None, None);
+        };
+        let (assigned, actual) = {
+            let core = self.core.lock();
+            let assigned = assign::effective(
+                &pod,
+                &held.container,
+                reservations.as_ref(),
+                &core.overrides,
+            )
+            .transpose();
+            (assigned, core.unchecked_shape(held))
+        };
+        let (Some(Ok(x_assigned)), Some(actual)) = (&assigned, actual) else {
+            return (Some(pod), assigned);
+        };
+        if assign::shape(x_assigned) == actual {
+            return (Some(pod), assigned);
+        }
+        // A disagreement: is it an exchange with an identical pod?
+        let (pods, holds) = match tokio::join!(api.node_pods(), self.holds()) {
+            (Ok(mut p), Ok((h, _))) => {
+                for y in &mut p {
+                    assign::vouch(y, reservations.as_ref());
+                }
+                (p, h)
+            }
+            (Err(e), _) => {
+                warn!(error = %e, "cannot look for an identical pod to exchange with");
+                return (Some(pod), assigned);
+            }
+            (_, Err(e)) => {
+                warn!(error = %e, "cannot look for an identical pod to exchange with");
+                return (Some(pod), assigned);
+            }
+        };
+        let mut core = self.core.lock();
+        let models: HashMap<String, String> = core
+            .inventory
+            .gpus
+            .iter()
+            .zip(&core.inventory.models)
+            .map(|(g, m)| (g.uuid.clone(), m.clone()))
+            .collect();
+        let effective = |y: &PodFacts| {
+            assign::effective(
+                y,
+                &y.containers[0].name,
+                reservations.as_ref(),
+                &core.overrides,
+            )
+            .ok()
+            .flatten()
+        };
+        let model = |u: &str| models.get(u).cloned().unwrap_or_default();
+        let Some(y) = assign::partner(&pods, &holds, &pod, x_assigned, &actual, &effective, &model)
+        else {
+            return (Some(pod), assigned);
+        };
+        let gpu_memory = |u: &str| {
+            core.inventory
+                .gpus
+                .iter()
+                .find(|g| g.uuid == u)
+                .map_or(0, |g| g.memory)
+        };
+        // What this container holds, as shares (a whole GPU's memory is the GPU's).
+        let mine: Vec<GpuShare> = actual
+            .iter()
+            .map(|(u, &(c, b))| GpuShare {
+                uuid: u.clone(),
+                core_percent: c,
+                memory_bytes: if c >= 100 { gpu_memory(u) } else { b },
+            })
+            .collect();
+        info!(
+            pod = %format!("{}/{}", pod.namespace, pod.name),
+            with = %format!("{}/{}", y.namespace, y.name),
+            "the kubelet admitted two identical pods in another order than they were bound: their assignments are exchanged"
+        );
+        let y_uid = y.uid.clone();
+        core.overrides.insert(y_uid, x_assigned.clone());
+        core.changed.notify_one();
+        (Some(pod), Some(Ok(mine)))
+    }
+}

@@ -1,0 +1,235 @@
+//! The kubelet's PodResources API, which PreStartContainer asks which container it is for:
+//! one kept channel, one `List` at a time, the answer cached by [`crate::lookup`]'s rules;
+//! and the prefetch, which lists once Allocates are quiet and configures the containers it
+//! shows ahead of their PreStartContainer.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tonic::Status;
+use tracing::info;
+use vcuda_proto::podresources::v1 as pr;
+
+use crate::state::Shared;
+use vcuda_cluster::Reservations;
+use vcuda_manager_core::allocation::Holdings;
+use vcuda_manager_core::assign::{self, PodFacts};
+use vcuda_manager_core::ids::Kind;
+
+/// The kubelet's PodResources API did not answer a `List`.
+#[derive(Debug, thiserror::Error)]
+pub enum PodResourcesError {
+    #[error("cannot ask the kubelet's PodResources API at {}: {source}; is --pod-resources-socket the kubelet's, and the kubelet running?", socket.display())]
+    Connect {
+        socket: std::path::PathBuf,
+        source: tonic::transport::Error,
+    },
+    #[error("cannot ask the kubelet's PodResources API at {}: {}", socket.display(), status.message())]
+    List {
+        socket: std::path::PathBuf,
+        status: Status,
+    },
+}
+
+impl PodResourcesError {
+    /// A short stable name for counting errors by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PodResourcesError::Connect { .. } => "pod-resources-connect",
+            PodResourcesError::List { .. } => "pod-resources-list",
+        }
+    }
+}
+
+/// How long Allocates must have been quiet before the manager lists PodResources ahead of
+/// PreStartContainer (a container's resources are allocated back to back; the sandbox the
+/// kubelet creates before starting it takes far longer).
+const PREFETCH_QUIET: Duration = Duration::from_millis(5);
+
+impl Shared {
+    /// Which container holds `ids` of `kind`, and what it holds of both resources: from the
+    /// cached list when [`ListCache::usable`] allows, else from a fresh `List`.
+    pub async fn holdings(
+        &self,
+        socket: &std::path::Path,
+        domain: &str,
+        kind: Kind,
+        ids: &[String],
+    ) -> Result<Option<Holdings>, PodResourcesError> {
+        let cached = self.lists.lock().usable();
+        if let Some(found) = cached.and_then(|l| find(&l, domain, kind, ids)) {
+            return Ok(Some(found));
+        }
+        let listing = self.listing.lock().await;
+        // A list that arrived while we waited for the lock may do.
+        let cached = self.lists.lock().usable();
+        if let Some(found) = cached.and_then(|l| find(&l, domain, kind, ids)) {
+            return Ok(Some(found));
+        }
+        let list = self.fresh_list(socket).await?;
+        drop(listing);
+        Ok(find(&list, domain, kind, ids))
+    }
+
+    /// `List` now (and cache the answer).
+    pub async fn fresh_list(
+        &self,
+        socket: &std::path::Path,
+    ) -> Result<Arc<pr::ListPodResourcesResponse>, PodResourcesError> {
+        let channel = {
+            let mut cached = self.pod_resources.lock().await;
+            match cached.as_ref() {
+                Some(c) => c.clone(),
+                None => {
+                    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+                        .connect_timeout(Duration::from_secs(2))
+                        .timeout(Duration::from_secs(10));
+                    let c = vcuda_proto::uds::connect_with(endpoint, socket)
+                        .await
+                        .map_err(|source| PodResourcesError::Connect {
+                            socket: socket.to_path_buf(),
+                            source,
+                        })?;
+                    *cached = Some(c.clone());
+                    c
+                }
+            }
+        };
+        let token = self.lists.lock().requesting();
+        let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
+        let list = match client.list(pr::ListPodResourcesRequest {}).await {
+            Ok(l) => Arc::new(l.into_inner()),
+            Err(status) => {
+                *self.pod_resources.lock().await = None; // dial afresh next time
+                return Err(PodResourcesError::List {
+                    socket: socket.to_path_buf(),
+                    status,
+                });
+            }
+        };
+        self.lists.lock().store(token, list.clone(), Instant::now());
+        Ok(list)
+    }
+
+    /// Runs for ever: once Allocates have been quiet for [`PREFETCH_QUIET`], list
+    /// PodResources so that the coming PreStartContainers find the answer waiting.
+    pub async fn prefetch(self: Arc<Self>) {
+        loop {
+            self.prefetch_wanted.notified().await;
+            loop {
+                let quiet_at = *self.last_allocate.lock() + PREFETCH_QUIET;
+                if Instant::now() >= quiet_at {
+                    break;
+                }
+                tokio::time::sleep_until(quiet_at.into()).await;
+            }
+            let listing = self.listing.lock().await;
+            if self.lists.lock().stale() {
+                let socket = self.core.lock().settings.pod_resources_socket.clone();
+                if let Err(e) = self.fresh_list(&socket).await {
+                    tracing::debug!(error = %e, "PodResources prefetch failed; PreStartContainer will list itself");
+                }
+            }
+            drop(listing);
+            // With the API server, a container is configured only with its pod's
+            // annotations at hand (assignment, gpu-count).
+            let cluster = match &self.api {
+                Some(api) => match api.vouched_pods().await {
+                    Ok(c) => Some(c),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "not configuring ahead: PreStartContainer will read the pod");
+                        continue;
+                    }
+                },
+                None => None,
+            };
+            self.finish_ahead(cluster.as_ref().map(|(p, r)| (p.as_slice(), r.as_ref())));
+        }
+    }
+
+    /// With a list as good as a fresh one, do PreStartContainer's work now for the
+    /// allocations it shows (pair, config, region), so that PreStartContainer finds them
+    /// done. What fails here is left for PreStartContainer to fail with its reason.
+    fn finish_ahead(&self, cluster: Option<(&[PodFacts], Option<&Reservations>)>) {
+        // Hold the state lock throughout: Allocates record under it, so no allocation can
+        // appear between checking the list and configuring from it (a list older than an
+        // Allocate of the same cores would name the previous holder).
+        let mut core = self.core.lock();
+        let Some(list) = self.lists.lock().usable() else {
+            return;
+        };
+        let domain = core.settings.domain.clone();
+        let waiting: Vec<Vec<String>> = core
+            .allocations()
+            .filter(|a| !a.finished())
+            .map(|a| a.cores.clone())
+            .collect();
+        for cores in waiting {
+            let Some(held) = find(&list, &domain, Kind::Core, &cores) else {
+                continue;
+            };
+            let who = format!("{}/{}/{}", held.namespace, held.pod, held.container);
+            let pod = cluster.map(|(ps, _)| {
+                ps.iter()
+                    .find(|p| p.namespace == held.namespace && p.name == held.pod)
+            });
+            if pod == Some(None) {
+                continue; // bound after the list: PreStartContainer reads it
+            }
+            let pod = pod.flatten();
+            let assigned = pod.and_then(|p| {
+                assign::effective(
+                    p,
+                    &held.container,
+                    cluster.and_then(|c| c.1),
+                    &core.overrides,
+                )
+                .transpose()
+            });
+            match core.pre_start_with(Kind::Core, &cores, Some(held), None, pod, assigned) {
+                Ok(id) => {
+                    info!(allocation = %id, container = %who, "container configured ahead of PreStartContainer")
+                }
+                Err(e) => {
+                    tracing::debug!(container = %who, error = %e, "not configured ahead; PreStartContainer will say why")
+                }
+            }
+        }
+    }
+}
+
+/// The container of a PodResources list holding any of `ids` of `kind` (the list has one
+/// entry per device: group by resource name).
+pub fn find(
+    list: &pr::ListPodResourcesResponse,
+    domain: &str,
+    kind: Kind,
+    ids: &[String],
+) -> Option<Holdings> {
+    let (core_name, mem_name, mine) = (
+        Kind::Core.resource(domain),
+        Kind::Memory.resource(domain),
+        kind.resource(domain),
+    );
+    for pod in &list.pod_resources {
+        for c in &pod.containers {
+            let of = |name: &str| -> Vec<String> {
+                c.devices
+                    .iter()
+                    .filter(|d| d.resource_name == name)
+                    .flat_map(|d| d.device_ids.clone())
+                    .collect()
+            };
+            if of(&mine).iter().any(|d| ids.contains(d)) {
+                return Some(Holdings {
+                    namespace: pod.namespace.clone(),
+                    pod: pod.name.clone(),
+                    container: c.name.clone(),
+                    cores: of(&core_name),
+                    memory: of(&mem_name),
+                });
+            }
+        }
+    }
+    None
+}
