@@ -9,9 +9,9 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
+use crate::costs::{self, Cost, Meter, Update};
 use crate::ffi::*;
-use crate::log::{log, DEBUG};
-use crate::state::{cuda, Cost, Vcuda};
+use crate::state::{cuda, Vcuda};
 
 hooks! {
     Cuda fn cuInit(flags: c_uint) -> CUresult => init;
@@ -80,126 +80,32 @@ fn driver_used(v: &Vcuda, dev: usize) -> Option<u64> {
     None
 }
 
-/// Measure this process's hidden memory on `dev`: what the driver charges beyond the
-/// allocations it counted, less `pending` bytes it holds reserved for a call in flight.
-///
-/// An allocation still in flight (reserved before its driver call) or a free in flight
-/// (released after its driver call) can only make a reading low. So between teardowns the
-/// hidden count is only raised (`Raise`); after a teardown, which lowers the true figure, it
-/// is set (`Set`). Returns (before, after), or `None` without NVML or a clean reading.
-fn measure_hidden(v: &Vcuda, dev: usize, pending: u64, how: Update) -> Option<(u64, u64)> {
-    // Only a reading during which this process reserved and released nothing is used: an
-    // allocation or free between the driver and our counter would skew it.
-    for _ in 0..16 {
-        let before_raw = v.api_raw(dev);
-        let used = driver_used(v, dev)?;
-        if v.api_raw(dev) != before_raw {
-            std::thread::yield_now();
-            continue;
-        }
-        let api = before_raw & vcuda_contract::region::API_BYTES;
-        let hidden = used.saturating_sub(api.saturating_sub(pending));
-        let before = match how {
-            Update::Raise => v.raise_hidden(dev, hidden),
-            Update::Set => v.set_hidden(dev, hidden),
-        };
-        return Some((
-            before,
-            if matches!(how, Update::Raise) {
-                before.max(hidden)
-            } else {
-                hidden
-            },
-        ));
-    }
-    None
-}
+/// The real [`Meter`]: NVML's per-process figure and the device's free memory.
+struct Measured<'a>(&'a Vcuda);
 
-#[derive(Clone, Copy)]
-enum Update {
-    Raise,
-    Set,
+impl Meter for Measured<'_> {
+    fn driver_used(&self, dev: usize) -> Option<u64> {
+        driver_used(self.0, dev)
+    }
+    fn device_free(&self, dev: usize) -> Option<u64> {
+        real_free(self.0, dev)
+    }
 }
 
 /// Periodic measurement of hidden memory on `dev` (only raises it).
 pub fn reconcile(v: &Vcuda, dev: usize) {
-    measure_hidden(v, dev, 0, Update::Raise);
+    costs::measure_hidden(&Measured(v), v, dev, 0, Update::Raise);
 }
 
 /// Measurement after something was torn down (may lower it).
 fn remeasure(v: &Vcuda, dev: usize) {
-    measure_hidden(v, dev, 0, Update::Set);
+    costs::measure_hidden(&Measured(v), v, dev, 0, Update::Set);
 }
 
 fn remeasure_all(v: &Vcuda) {
     for d in 0..v.gpu_count() {
         remeasure(v, d);
     }
-}
-
-/// What a context is held at while none has been measured in the region yet: above what one
-/// costs on current GPUs (about 300-500 MiB), capped at the quota.
-const FIRST_CONTEXT_GUESS: u64 = 512 << 20;
-
-/// Run `make` (which creates a context or loads a module on `dev`), with the last measured
-/// cost of one held in reserve; measure its real cost; undo with `undo` and fail if the
-/// container ends up over its quota.
-fn costed(
-    v: &Vcuda,
-    dev: usize,
-    what: Cost,
-    make: impl FnOnce() -> CUresult,
-    undo: impl FnOnce(),
-) -> CUresult {
-    let learned_cost = v.learned_cost(what, dev);
-    // The first context of a fresh region has no learned cost: hold a provisional one while
-    // it is made, or the container's other processes could fill the quota meanwhile and the
-    // context would take it past (by up to a context, seen in kill storms).
-    let est = match what {
-        Cost::Context if learned_cost == 0 => FIRST_CONTEXT_GUESS.min(v.quota_of(dev)),
-        _ => learned_cost,
-    };
-    if est > 0 && !v.reserve(dev, est) {
-        return v.refuse_for_quota(dev);
-    }
-    let free_before = real_free(v, dev);
-    let rc = make();
-    if rc != CUDA_SUCCESS {
-        v.release(dev, est);
-        return rc;
-    }
-    // Count the new memory before letting go of the reservation, never less than both.
-    let cost = match measure_hidden(v, dev, est, Update::Raise) {
-        Some((before, after)) => after.saturating_sub(before),
-        None => {
-            // No per-process figure from NVML: the device's free memory before and after.
-            let c = free_before
-                .zip(real_free(v, dev))
-                .map_or(est, |(b, a)| b.saturating_sub(a));
-            v.add_hidden(dev, c);
-            c
-        }
-    };
-    v.release(dev, est);
-    if cost > 0 {
-        v.learn_cost(what, dev, cost);
-    }
-    let used = v.used_on(dev);
-    log!(
-        DEBUG,
-        "{} cost {cost} bytes on GPU {dev}; container uses {used} of {}",
-        match what {
-            Cost::Context => "context",
-            Cost::Module => "module",
-        },
-        v.quota_of(dev)
-    );
-    if used > v.quota_of(dev) {
-        undo();
-        remeasure(v, dev);
-        return v.refuse_for_quota(dev);
-    }
-    CUDA_SUCCESS
 }
 
 /// The device's free memory, for when NVML does not list this process (yet: in a container
@@ -297,7 +203,7 @@ fn create_common(dev: CUdevice, pctx: *mut CUcontext, make: impl FnOnce() -> CUr
     let Some(d) = v.dev_of_ordinal(dev) else {
         return make();
     };
-    costed(v, d, Cost::Context, make, || {
+    costs::costed(&Measured(v), v, d, Cost::Context, make, || {
         // SAFETY: the driver wrote the new context to *pctx.
         let ctx = unsafe { *pctx };
         forward!(MISSING, cuCtxDestroy_v2(ctx));
@@ -473,13 +379,10 @@ unsafe fn set_limit(limit: u32, value: usize) -> CUresult {
     let Some(dev) = v.current_dev() else {
         return rc;
     };
-    remeasure(v, dev);
-    if v.used_on(dev) > v.quota_of(dev) && had_old {
+    let restore = had_old.then_some(|| {
         forward!(MISSING, cuCtxSetLimit(limit, old));
-        remeasure(v, dev);
-        return v.refuse_for_quota(dev);
-    }
-    rc
+    });
+    costs::limit_set(&Measured(v), v, dev, restore)
 }
 
 // ---- modules and libraries -----------------------------------------------------------------
@@ -496,7 +399,7 @@ fn load_common(
     let Some(dev) = v.current_dev() else {
         return make();
     };
-    costed(v, dev, Cost::Module, make, || {
+    costs::costed(&Measured(v), v, dev, Cost::Module, make, || {
         // SAFETY: the driver wrote the new module/library handle to *out.
         undo(unsafe { *(out as *mut *mut c_void) })
     })

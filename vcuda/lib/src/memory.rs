@@ -8,12 +8,11 @@
 
 use std::ffi::{c_uint, c_void};
 
-use crate::conv::{dev_u8, u32_sat, u64_of, usize_of};
-use crate::drv::{pool_attr, pool_reserved};
+use crate::conv::{u32_sat, u64_of, usize_of};
 use crate::ffi::*;
+use crate::pools;
 use crate::quota::{self, check, code, Abi, ArrayKind, Driver, R};
-use crate::state::{cuda, Vcuda};
-use crate::table::{Kind, Rec};
+use crate::state::{cuda, RealPools, Vcuda};
 
 pub use crate::quota::ALLOC_GRANULE;
 
@@ -553,11 +552,8 @@ unsafe fn vmm_unmap(ptr: CUdeviceptr, size: usize) -> CUresult {
 
 // ---- stream-ordered allocation and pools -------------------------------------------------
 
-fn stream_capturing(stream: CUstream) -> bool {
-    let mut status: u32 = 0;
-    ext!(MISSING, cuStreamIsCapturing(stream, &mut status)) == CUDA_SUCCESS && status == 1
-}
-
+/// A stream-ordered allocation made by `call` (which writes the pointer through `dptr`):
+/// a NULL out-pointer or a zero size is the named bypass; otherwise [`pools::stream_alloc`].
 fn async_common(
     v: &Vcuda,
     dptr: *mut CUdeviceptr,
@@ -569,58 +565,13 @@ fn async_common(
     if dptr.is_null() || size == 0 {
         return call();
     }
-    if stream_capturing(stream) {
-        // Captured into a graph: the memory appears when the graph runs.
-        v.saw_graph_memory();
-        return call();
-    }
-    let Some(dev) = v.current_dev() else {
-        return call();
-    };
-    let pool = match pool {
-        Some(p) => p,
-        None => {
-            let mut p: CUmemoryPool = std::ptr::null_mut();
-            let ord = v.ordinal_of(dev).unwrap_or(0);
-            if ext!(MISSING, cuDeviceGetMemPool(&mut p, ord)) != CUDA_SUCCESS {
-                return call();
-            }
-            p
-        }
-    };
-    let dev = v.pool_dev(pool).unwrap_or(dev);
-    // What the pool cannot serve from memory it already holds, it grows by, in granules.
-    // That cached memory can only be counted on while no synchronisation can give it back
-    // to the device: with the exclusive lock, hold the exact growth; if a synchronisation
-    // is running, hold the growth as if the pool had nothing cached.
-    let size_bytes = u64_of(size);
-    let held = v.stream_ordered_alloc();
-    let cached = if held.cache_is_stable() {
-        pool_reserved(pool)
-            .zip(pool_attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT))
-            .map_or(0, |(r, u)| r.saturating_sub(u))
-    } else {
-        0
-    };
-    let hold = quota::pool_hold(size_bytes, cached);
-    if !v.reserve(dev, hold) {
-        return v.refuse_for_quota(dev);
-    }
-    let rc = call();
-    if rc == CUDA_SUCCESS {
-        v.settle_pool(pool, dev);
-        // SAFETY: the driver succeeded, so *dptr holds the new pointer.
-        v.remember_alloc(
-            unsafe { *dptr },
-            Rec {
-                size: size_bytes,
-                dev: dev_u8(dev),
-                kind: Kind::Pool,
-            },
-        );
-    }
-    v.release(dev, hold);
-    rc
+    let pool = pool.map(|p| p as usize);
+    let made = pools::stream_alloc(&RealPools, v, u64_of(size), stream as usize, pool, || {
+        check(call())?;
+        // SAFETY: the driver succeeded, so *dptr (checked non-NULL above) holds the pointer.
+        Ok(unsafe { *dptr })
+    });
+    code(made.map(drop))
 }
 
 unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> CUresult {
@@ -741,44 +692,16 @@ unsafe fn event_sync(event: CUevent) -> CUresult {
 
 unsafe fn pool_trim(pool: CUmemoryPool, keep: usize) -> CUresult {
     let v = state!();
-    let rc = {
-        let _shared = v.pools_may_shrink();
-        forward!(MISSING, cuMemPoolTrimTo(pool, keep))
-    };
-    if rc == CUDA_SUCCESS {
-        let dev = v.pool_dev(pool);
-        if let Some(dev) = dev {
-            v.settle_pool(pool, dev);
-        }
-    }
-    rc
+    code(pools::trim(&RealPools, v, pool as usize, || {
+        check(forward!(MISSING, cuMemPoolTrimTo(pool, keep)))
+    }))
 }
 
 // ---- graph memory ------------------------------------------------------------------------
 
 /// Count the graph memory each GPU's graph pool holds now (visible only after launches).
 pub fn refresh_graph_mem(v: &Vcuda) {
-    if !v.graph_memory_seen() {
-        return;
-    }
-    for dev in 0..v.gpu_count() {
-        let Some(ord) = v.ordinal_of(dev) else {
-            continue;
-        };
-        let mut now: u64 = 0;
-        if ext!(
-            MISSING,
-            cuDeviceGetGraphMemAttribute(
-                ord,
-                CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
-                (&mut now as *mut u64).cast()
-            )
-        ) != CUDA_SUCCESS
-        {
-            continue;
-        }
-        v.settle_graph_mem(dev, now);
-    }
+    pools::refresh_graph_mem(&RealPools, v);
 }
 
 fn saw_graph_memory(v: &Vcuda) {

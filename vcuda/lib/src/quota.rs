@@ -2,7 +2,7 @@
 //! the driver call (refusing with `CUDA_ERROR_OUT_OF_MEMORY` when the total would pass the
 //! quota), roll back if the driver fails, release on free. Written against two traits, so
 //! the rules are unit- and property-tested without a driver or a shared region:
-//! - `Driver`: the driver's allocation calls. The real one is `memory::Real`, a zero-sized
+//! - `Driver`: the driver's allocation calls. The real one is `memory::RealDriver`, a zero-sized
 //!   type whose methods forward to the real library (no cost on the hot path).
 //! - `Books`: what the container has counted: the shared region's per-GPU totals and this
 //!   process's pointer table (`state::Vcuda` implements it).
@@ -249,7 +249,7 @@ pub const POOL_GRANULE: u64 = 2 << 20;
 /// What a stream-ordered allocation of `size` bytes from a pool holding `cached` bytes it
 /// is not using must reserve before the call: the growth the pool may need, in whole
 /// granules (0 if the cache serves it). `cached` is 0 unless no synchronisation can give
-/// the cache back to the device meanwhile (`Vcuda::stream_ordered_alloc`).
+/// the cache back to the device meanwhile (`pools::PoolBooks::stream_ordered`).
 #[inline(always)]
 pub(crate) fn pool_hold(size: u64, cached: u64) -> u64 {
     counted(size)

@@ -17,14 +17,17 @@ use std::sync::atomic::{
 };
 use std::sync::OnceLock;
 
-use parking_lot::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use vcuda_contract::config::{format_uuid, ContainerConfig, MAX_GPUS};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use vcuda_contract::config::{format_uuid, ContainerConfig};
 use vcuda_contract::region::{Region, SlotId, SlotView};
 use vcuda_limiter as lim;
 
 use crate::buckets::Limiter;
+pub use crate::costs::Cost;
+use crate::costs::CostBooks;
 use crate::ffi::*;
 use crate::log::{log, DEBUG, WARN};
+use crate::pools::{GraphMem, PoolBooks, PoolDriver, PoolTable};
 use crate::quota::{Books, VmmHandles};
 use crate::table::{AllocTable, Rec};
 use crate::visible::Visible;
@@ -50,19 +53,10 @@ struct Objects {
     arrays: HashMap<usize, (u64, usize)>,
     /// VMM handles and their mappings (`quota::VmmHandles`).
     vmm: VmmHandles,
-    /// Memory pool → (GPU, bytes reserved for it).
-    pools: HashMap<usize, (usize, u64)>,
-    /// Graph memory reserved per GPU, as last read.
-    graph_mem: [u64; MAX_GPUS],
-    /// Whether any graph memory node was ever made (then launches refresh graph memory).
-    graph_nodes_seen: bool,
-}
-
-/// What the learned costs are of.
-#[derive(Clone, Copy)]
-pub enum Cost {
-    Context,
-    Module,
+    /// Memory pools and what is counted for each (`pools::PoolTable`).
+    pools: PoolTable,
+    /// Each GPU's graph memory as last read, and whether a graph memory node was made.
+    graph: GraphMem,
 }
 
 pub struct Vcuda {
@@ -92,23 +86,6 @@ pub struct Vcuda {
     pool_alloc: Mutex<()>,
     /// The compute limiter's buckets.
     limiter: Limiter,
-}
-
-/// What a stream-ordered allocation holds while it counts on a pool's cached memory
-/// ([`Vcuda::stream_ordered_alloc`]).
-pub struct PoolAlloc<'a> {
-    /// Dropped first: no synchronisation runs while it is held.
-    exclusive: Option<RwLockWriteGuard<'a, ()>>,
-    _serial: MutexGuard<'a, ()>,
-}
-
-impl PoolAlloc<'_> {
-    /// Whether no synchronisation can give a pool's cached memory back meanwhile (so it may
-    /// be counted on).
-    #[inline]
-    pub fn cache_is_stable(&self) -> bool {
-        self.exclusive.is_some()
-    }
 }
 
 static STATE: OnceLock<Result<Vcuda, Failure>> = OnceLock::new();
@@ -495,53 +472,17 @@ impl Vcuda {
 
     /// A pool was made on `dev` (nothing counted for it yet).
     pub fn add_pool(&self, pool: CUmemoryPool, dev: usize) {
-        self.objs.lock().pools.insert(pool as usize, (dev, 0));
+        self.objs.lock().pools.add(pool as usize, dev);
     }
 
     /// A pool was destroyed: release what was counted for it.
     pub fn drop_pool(&self, pool: CUmemoryPool) {
-        let gone = self.objs.lock().pools.remove(&(pool as usize));
-        if let Some((dev, bytes)) = gone {
-            self.release(dev, bytes);
-        }
-    }
-
-    /// The GPU a known pool is on.
-    pub fn pool_dev(&self, pool: CUmemoryPool) -> Option<usize> {
-        self.objs.lock().pools.get(&(pool as usize)).map(|e| e.0)
-    }
-
-    /// Bring the count for `pool` (on `dev` unless known) to what it has reserved now (held
-    /// under the objects lock so concurrent updates stay in order).
-    pub fn settle_pool(&self, pool: CUmemoryPool, dev: usize) {
-        let mut o = self.objs.lock();
-        let Some(now) = crate::drv::pool_reserved(pool) else {
-            return;
-        };
-        let entry = o.pools.entry(pool as usize).or_insert((dev, 0));
-        let before = entry.1;
-        entry.1 = now;
-        let dev = entry.0;
-        drop(o);
-        if now > before {
-            self.force_add(dev, now - before);
-        } else if now < before {
-            self.release(dev, before - now);
-        }
+        crate::pools::drop_pool(self, pool as usize);
     }
 
     /// Re-read every known pool (they shrink at synchronisations the application makes).
     pub fn refresh_pools(&self) {
-        let pools: Vec<(usize, usize)> = self
-            .objs
-            .lock()
-            .pools
-            .iter()
-            .map(|(&p, &(d, _))| (p, d))
-            .collect();
-        for (p, d) in pools {
-            self.settle_pool(p as CUmemoryPool, d);
-        }
+        crate::pools::refresh_pools(&RealPools, self);
     }
 
     /// Hold while a call may let pools give cached memory back to the device
@@ -551,34 +492,9 @@ impl Vcuda {
         self.pool_sync.read()
     }
 
-    /// Hold while a stream-ordered allocation runs: serialised with this process's others,
-    /// and excluding synchronisations if none runs now ([`PoolAlloc::cache_is_stable`]).
-    pub fn stream_ordered_alloc(&self) -> PoolAlloc<'_> {
-        let serial = self.pool_alloc.lock();
-        PoolAlloc {
-            exclusive: self.pool_sync.try_write(),
-            _serial: serial,
-        }
-    }
-
     /// A graph memory node was made (from now on, launches refresh graph memory).
     pub fn saw_graph_memory(&self) {
-        self.objs.lock().graph_nodes_seen = true;
-    }
-
-    /// Whether any graph memory node was made.
-    pub fn graph_memory_seen(&self) -> bool {
-        self.objs.lock().graph_nodes_seen
-    }
-
-    /// The graph pool of `dev` holds `now` bytes: count the difference from the last reading.
-    pub fn settle_graph_mem(&self, dev: usize, now: u64) {
-        let before = std::mem::replace(&mut self.objs.lock().graph_mem[dev], now);
-        if now > before {
-            self.force_add(dev, now - before);
-        } else if now < before {
-            self.release(dev, before - now);
-        }
+        self.objs.lock().graph.saw();
     }
 
     // ---- which GPU -------------------------------------------------------------------------
@@ -734,5 +650,106 @@ impl Books for Vcuda {
     }
     fn ordinal_of(&self, dev: usize) -> CUdevice {
         Vcuda::ordinal_of(self, dev).unwrap_or(0)
+    }
+}
+
+/// What the pool path asks the real driver (zero-sized; here, below the wrappers, because
+/// [`Vcuda::reserve`]'s slow path re-reads the pools).
+pub(crate) struct RealPools;
+
+impl PoolDriver for RealPools {
+    fn pool_reserved(&self, pool: usize) -> Option<u64> {
+        crate::drv::pool_reserved(pool as CUmemoryPool)
+    }
+    fn pool_used(&self, pool: usize) -> Option<u64> {
+        crate::drv::pool_attr(pool as CUmemoryPool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+    }
+    fn default_pool(&self, ordinal: CUdevice) -> Option<usize> {
+        let mut p: CUmemoryPool = std::ptr::null_mut();
+        (ext!(
+            CUDA_ERROR_NOT_SUPPORTED,
+            cuDeviceGetMemPool(&mut p, ordinal)
+        ) == CUDA_SUCCESS)
+            .then_some(p as usize)
+    }
+    fn capturing(&self, stream: usize) -> bool {
+        let mut status: u32 = 0;
+        ext!(
+            CUDA_ERROR_NOT_SUPPORTED,
+            cuStreamIsCapturing(stream as CUstream, &mut status)
+        ) == CUDA_SUCCESS
+            && status == 1
+    }
+    fn graph_reserved(&self, ordinal: CUdevice) -> Option<u64> {
+        let mut now: u64 = 0;
+        (ext!(
+            CUDA_ERROR_NOT_SUPPORTED,
+            cuDeviceGetGraphMemAttribute(
+                ordinal,
+                CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+                (&mut now as *mut u64).cast()
+            )
+        ) == CUDA_SUCCESS)
+            .then_some(now)
+    }
+}
+
+/// The pool and graph memory tables live under the objects lock; a stream-ordered
+/// allocation is serialised with this process's others and, if no synchronisation runs
+/// now, excludes them while it counts on a pool's cache.
+impl PoolBooks for Vcuda {
+    fn force_add(&self, dev: usize, bytes: u64) {
+        Vcuda::force_add(self, dev, bytes)
+    }
+    fn with_pools<T>(&self, f: impl FnOnce(&mut PoolTable) -> T) -> T {
+        f(&mut self.objs.lock().pools)
+    }
+    fn with_graph<T>(&self, f: impl FnOnce(&mut GraphMem) -> T) -> T {
+        f(&mut self.objs.lock().graph)
+    }
+    fn stream_ordered<T>(&self, f: impl FnOnce(bool) -> T) -> T {
+        let _serial = self.pool_alloc.lock();
+        let exclusive = self.pool_sync.try_write();
+        let r = f(exclusive.is_some());
+        drop(exclusive);
+        r
+    }
+    fn shrinking<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _shared = self.pools_may_shrink();
+        f()
+    }
+    fn gpu_count(&self) -> usize {
+        Vcuda::gpu_count(self)
+    }
+    fn shown_ordinal(&self, dev: usize) -> Option<CUdevice> {
+        Vcuda::ordinal_of(self, dev)
+    }
+}
+
+/// Hidden memory is this process's slot's; learned costs are the region's header's.
+impl CostBooks for Vcuda {
+    fn api_raw(&self, dev: usize) -> u64 {
+        Vcuda::api_raw(self, dev)
+    }
+    fn raise_hidden(&self, dev: usize, bytes: u64) -> u64 {
+        Vcuda::raise_hidden(self, dev, bytes)
+    }
+    fn set_hidden(&self, dev: usize, bytes: u64) -> u64 {
+        Vcuda::set_hidden(self, dev, bytes)
+    }
+    fn add_hidden(&self, dev: usize, bytes: u64) {
+        Vcuda::add_hidden(self, dev, bytes)
+    }
+    fn learned_cost(&self, what: Cost, dev: usize) -> u64 {
+        Vcuda::learned_cost(self, what, dev)
+    }
+    fn learn_cost(&self, what: Cost, dev: usize, cost: u64) {
+        Vcuda::learn_cost(self, what, dev, cost)
+    }
+    fn used_on(&self, dev: usize) -> u64 {
+        Vcuda::used_on(self, dev)
+    }
+    fn quota_of(&self, dev: usize) -> u64 {
+        Vcuda::quota_of(self, dev)
     }
 }
