@@ -26,6 +26,7 @@ use vcuda_contract::view::View;
 
 use crate::core::ClaimError;
 use crate::state::Shared;
+use vcuda_manager_core::ids::AllocationId;
 
 /// A connection ended without its exchange: what the log says (the peer gets nothing more,
 /// the stream being unusable). Each names the peer's host pid.
@@ -60,11 +61,11 @@ pub enum QueryError {
     /// The asking process may not see the allocation: the reason is for the log only.
     #[error("{}", not_yours(allocation))]
     NotYours {
-        allocation: String,
+        allocation: AllocationId,
         reason: ClaimError,
     },
     #[error("allocation {allocation} is not in the manager's view yet (started in the last fraction of a second?); try again")]
-    NotInView { allocation: String },
+    NotInView { allocation: AllocationId },
 }
 
 impl QueryError {
@@ -309,37 +310,43 @@ async fn connection(
         decode_request(&frame).map_err(|source| ConnectionError::Decode { pid, source })?;
     let reply = match request {
         Request::Ping => Reply::Pong,
-        Request::Query { allocation } => match query(shared, scope, allocation, pid) {
-            Ok(view) => {
-                for f in view_frames(&view) {
-                    stream.write_all(&f).await.map_err(io)?;
-                }
-                return Ok(());
-            }
-            Err(e) => {
-                match &e {
-                    QueryError::NotYours { allocation, reason } => {
-                        warn!(pid, %allocation, %reason, "query refused")
+        Request::Query { allocation } => {
+            match query(shared, scope, allocation.map(AllocationId::from), pid) {
+                Ok(view) => {
+                    for f in view_frames(&view) {
+                        stream.write_all(&f).await.map_err(io)?;
                     }
-                    _ => debug!(pid, reason = %e, "query refused"),
+                    return Ok(());
                 }
-                e.reply()
+                Err(e) => {
+                    match &e {
+                        QueryError::NotYours { allocation, reason } => {
+                            warn!(pid, %allocation, %reason, "query refused")
+                        }
+                        _ => debug!(pid, reason = %e, "query refused"),
+                    }
+                    e.reply()
+                }
             }
-        },
+        }
         Request::Hello(_) if scope == Scope::Node => Reply::refused(
             "processes register on the container's socket, not the host's query socket",
         ),
-        Request::Hello(h) => match register(shared, &h, pid) {
-            Ok(host_pid) => {
-                info!(pid, allocation = %h.allocation, slot = h.slot, "process registered");
-                Reply::Welcome { host_pid }
+        Request::Hello(h) => {
+            // The wire's string is an allocation id from here on.
+            let allocation = AllocationId::new(h.allocation.as_str());
+            match register(shared, &allocation, &h, pid) {
+                Ok(host_pid) => {
+                    info!(pid, %allocation, slot = h.slot, "process registered");
+                    Reply::Welcome { host_pid }
+                }
+                Err(reason) => {
+                    warn!(pid, %allocation, %reason, kind = reason.kind(), "registration refused");
+                    // Whatever the reason, the peer reads the one neutral refusal.
+                    Reply::refused(not_yours(&allocation))
+                }
             }
-            Err(reason) => {
-                warn!(pid, allocation = %h.allocation, %reason, kind = reason.kind(), "registration refused");
-                // Whatever the reason, the peer reads the one neutral refusal.
-                Reply::refused(not_yours(&h.allocation))
-            }
-        },
+        }
     };
     stream.write_all(&encode_reply(&reply)).await.map_err(io)
 }
@@ -347,7 +354,8 @@ async fn connection(
 /// The one answer a container gets when it may not act for `allocation`, whether the
 /// allocation is another container's or does not exist: telling those apart (or naming the
 /// pod that holds it) would let a tenant probe its neighbours. The reason goes to the log.
-fn not_yours(allocation: &str) -> String {
+fn not_yours(allocation: &AllocationId) -> String {
+    let allocation = allocation.as_str();
     format!("this process does not belong to allocation {allocation:?} on this node (or there is no such allocation); the node's vcuda-manager log says why")
 }
 
@@ -355,8 +363,13 @@ fn not_yours(allocation: &str) -> String {
 /// allocation up (a statement of its own: a guard in a `match` scrutinee would live through
 /// the whole match); the checks read /proc and the container's region without it, so a
 /// container cannot stall the kubelet's calls through them.
-fn register(shared: &Shared, hello: &Hello, pid: u32) -> Result<u32, ClaimError> {
-    let claimant = shared.core.lock().claimant(&hello.allocation)?;
+fn register(
+    shared: &Shared,
+    allocation: &AllocationId,
+    hello: &Hello,
+    pid: u32,
+) -> Result<u32, ClaimError> {
+    let claimant = shared.core.lock().claimant(allocation)?;
     let registration = claimant.hello(hello, pid)?;
     shared.core.lock().register(pid, registration);
     Ok(pid)
@@ -366,7 +379,7 @@ fn register(shared: &Shared, hello: &Hello, pid: u32) -> Result<u32, ClaimError>
 fn query(
     shared: &Shared,
     scope: Scope,
-    allocation: Option<String>,
+    allocation: Option<AllocationId>,
     pid: u32,
 ) -> Result<View, QueryError> {
     if shared.view.lock().schema == 0 {
@@ -390,7 +403,7 @@ fn query(
             shared
                 .view
                 .lock()
-                .only(&id)
+                .only(id.as_str())
                 .ok_or(QueryError::NotInView { allocation: id })
         }
     }
@@ -456,7 +469,7 @@ mod tests {
         let Reply::Refused { reason } = e.reply() else {
             panic!("not a refusal")
         };
-        assert_eq!(reason, not_yours("a1"));
+        assert_eq!(reason, not_yours(&"a1".into()));
         assert!(!reason.contains("victim"), "{reason}");
         let Reply::Refused { reason } = (QueryError::NodeViewInContainer {
             query_socket: "/run/vcuda/query.sock".into(),

@@ -26,7 +26,7 @@ use crate::state::Shared;
 use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, ProcessView, View, SCHEMA};
 use vcuda_manager_core::allocation::Allocation;
 use vcuda_manager_core::identity;
-use vcuda_manager_core::ids::Kind;
+use vcuda_manager_core::ids::{AllocationId, Kind, PodUid};
 use vcuda_manager_core::rounds::{
     self, Action, Cadence, Event, Faults, Rounds, Step, Utilization, Verdict,
 };
@@ -39,17 +39,17 @@ const UTIL_FRESH_MS: u64 = 1_000;
 /// cgroup of unregistered ones (which is how a bypassing process is found).
 pub fn owner_of(
     pid: u32,
-    registered: &HashMap<u32, String>,
-    by_uid: &BTreeMap<String, String>,
+    registered: &HashMap<u32, AllocationId>,
+    by_uid: &BTreeMap<PodUid, AllocationId>,
     cgroup: &dyn Fn(u32) -> Option<String>,
-) -> Option<String> {
+) -> Option<AllocationId> {
     if let Some(a) = registered.get(&pid) {
         return Some(a.clone());
     }
     let text = cgroup(pid)?;
     by_uid
         .iter()
-        .find(|(uid, _)| identity::in_pod(&text, uid))
+        .find(|(uid, _)| identity::in_pod(&text, uid.as_str()))
         .map(|(_, a)| a.clone())
 }
 
@@ -75,7 +75,7 @@ fn tend(
 fn kill_all(proc_root: &Path, alloc: Option<&Allocation>, pids: &[u32]) {
     let uid = alloc.and_then(|a| a.owner.as_ref()?.uid.clone());
     for &pid in pids {
-        match uid.as_deref().map(|u| kill_in_pod(proc_root, pid, u)) {
+        match uid.as_ref().map(|u| kill_in_pod(proc_root, pid, u)) {
             Some(Ok(true)) => warn!(pid, "watchdog: killed"),
             Some(Ok(false)) => warn!(pid, "watchdog: not killed: no longer in the pod's cgroup"),
             Some(Err(e)) => warn!(pid, error = %e, "watchdog: cannot kill"),
@@ -122,7 +122,7 @@ impl KillError {
 /// SIGKILL host process `pid` if it is (still) in the cgroup of pod `uid`. The check and
 /// the signal go through one pidfd, opened first, so a pid reused in between can never
 /// redirect the kill to another process. Returns whether it signalled.
-fn kill_in_pod(proc_root: &Path, pid: u32, uid: &str) -> Result<bool, KillError> {
+fn kill_in_pod(proc_root: &Path, pid: u32, uid: &PodUid) -> Result<bool, KillError> {
     let pid = libc::pid_t::try_from(pid).map_err(|_| KillError::PidRange { pid })?;
     // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -136,7 +136,7 @@ fn kill_in_pod(proc_root: &Path, pid: u32, uid: &str) -> Result<bool, KillError>
     let path = proc_root.join(pid.to_string()).join("cgroup");
     let cgroup =
         std::fs::read_to_string(&path).map_err(|source| KillError::Cgroup { path, source })?;
-    if !identity::in_pod(&cgroup, uid) {
+    if !identity::in_pod(&cgroup, uid.as_str()) {
         return Ok(false);
     }
     use std::os::fd::AsRawFd;
@@ -226,36 +226,36 @@ struct Round {
     gpu_memory: Vec<u64>,
     uuids: Vec<String>,
     /// What each region said; `None`: it did not read (the container's fault).
-    snapshots: HashMap<String, Option<Snapshot>>,
+    snapshots: HashMap<AllocationId, Option<Snapshot>>,
     /// Registered processes (the kernel vouched for them), by host pid.
     known: BTreeMap<u32, Registration>,
     /// Host pid → allocation, and → pid in its container, for registered processes.
-    registered: HashMap<u32, String>,
+    registered: HashMap<u32, AllocationId>,
     inner_pid: HashMap<u32, u32>,
     /// Pod UID → allocation, for attributing unregistered processes by cgroup.
-    by_uid: BTreeMap<String, String>,
+    by_uid: BTreeMap<PodUid, AllocationId>,
     /// Driver-reported memory per (allocation, GPU of the allocation) and per (allocation,
     /// host pid); the pids per allocation, in the driver's order.
     usage: BTreeMap<Key, u64>,
-    proc_mem: BTreeMap<(String, u32), u64>,
-    pids: BTreeMap<String, Vec<u32>>,
+    proc_mem: BTreeMap<(AllocationId, u32), u64>,
+    pids: BTreeMap<AllocationId, Vec<u32>>,
     gpu_obs: Vec<gpus::GpuSample>,
     /// Summed utilization per (allocation, GPU of the allocation).
     util: BTreeMap<Key, u32>,
 }
 
 impl Round {
-    fn alloc(&self, id: &str) -> Option<&Allocation> {
-        self.allocs.iter().find(|a| a.id == id)
+    fn alloc(&self, id: &AllocationId) -> Option<&Allocation> {
+        self.allocs.iter().find(|a| &a.id == id)
     }
 
     /// The index, among allocation `id`'s GPUs, of the GPU `uuid`.
-    fn dev_of(&self, id: &str, uuid: &str) -> Option<usize> {
+    fn dev_of(&self, id: &AllocationId, uuid: &str) -> Option<usize> {
         self.alloc(id)?.gpus.iter().position(|u| u == uuid)
     }
 
     /// Which started allocation host process `pid` belongs to ([`owner_of`]).
-    fn owner(&self, proc_root: &Path, pid: u32) -> Option<String> {
+    fn owner(&self, proc_root: &Path, pid: u32) -> Option<AllocationId> {
         let cgroup =
             |pid: u32| std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok();
         owner_of(pid, &self.registered, &self.by_uid, &cgroup)
@@ -358,7 +358,7 @@ impl Shell {
 
     /// After a manager restart: open the regions of running containers (outside the state
     /// lock; never following a link), and keep them for the allocations' life.
-    fn open_missing(&mut self, missing: Vec<Unopened>) -> Vec<(String, Arc<RegionFile>)> {
+    fn open_missing(&mut self, missing: Vec<Unopened>) -> Vec<(AllocationId, Arc<RegionFile>)> {
         let mut opened = Vec::new();
         for Unopened { id, path, uuids } in missing {
             match RegionFile::open(&path, &uuids) {
@@ -460,11 +460,11 @@ impl Shell {
             }
         }
         for (a, dev, pid, bytes) in found {
-            *r.usage.entry((a.clone(), dev)).or_default() += bytes;
+            *r.usage.entry(Key::new(a.clone(), dev)).or_default() += bytes;
             *r.proc_mem.entry((a.clone(), pid)).or_default() += bytes;
             r.pids.entry(a).or_default().push(pid);
         }
-        let quota = |id: &str, _dev: usize| r.alloc(id).map(watchdog::memory_quota);
+        let quota = |id: &AllocationId, _dev: usize| r.alloc(id).map(watchdog::memory_quota);
         Event::MemoryRead {
             over: watchdog::violations(&r.usage, &quota),
         }
@@ -493,7 +493,7 @@ impl Shell {
                 continue;
             };
             if let Some(dev) = r.dev_of(&a, uuid) {
-                *r.util.entry((a, dev)).or_default() += sm;
+                *r.util.entry(Key::new(a, dev)).or_default() += sm;
             }
         }
         let utilization = r
@@ -503,10 +503,13 @@ impl Shell {
             .flat_map(|(a, limit_percent)| {
                 (0..a.gpus.len()).map(move |dev| (a.id.clone(), dev, limit_percent))
             })
-            .map(|(id, dev, limit_percent)| Utilization {
-                percent: r.util.get(&(id.clone(), dev)).copied().unwrap_or(0),
-                key: (id, dev),
-                limit_percent,
+            .map(|(id, dev, limit_percent)| {
+                let key = Key::new(id, dev);
+                Utilization {
+                    percent: r.util.get(&key).copied().unwrap_or(0),
+                    key,
+                    limit_percent,
+                }
             })
             .collect();
         Event::Sampled {
@@ -521,7 +524,10 @@ impl Shell {
     fn enforce(&self, r: &Round, verdicts: &[Verdict]) -> Event {
         let proc_root = &self.settings.proc_root;
         for v in verdicts {
-            let (id, dev) = match v {
+            let Key {
+                alloc: id,
+                gpu: dev,
+            } = match v {
                 Verdict::Memory(o) => &o.key,
                 Verdict::Compute { key, .. } => key,
             };
@@ -557,13 +563,13 @@ impl Shell {
 
     /// The processes of allocation `id` with a recent non-zero utilization sample on its
     /// GPU `dev`.
-    fn busy_pids(&self, r: &Round, id: &str, dev: usize) -> Vec<u32> {
+    fn busy_pids(&self, r: &Round, id: &AllocationId, dev: usize) -> Vec<u32> {
         let gpu = r.alloc(id).and_then(|a| a.gpus.get(dev));
         self.recent
             .iter()
             .filter(|((g, _), (sm, _))| *sm > 0 && r.uuids.get(*g) == gpu)
             .map(|((_, pid), _)| *pid)
-            .filter(|pid| r.owner(&self.settings.proc_root, *pid).as_deref() == Some(id))
+            .filter(|pid| r.owner(&self.settings.proc_root, *pid).as_ref() == Some(id))
             .collect()
     }
 
@@ -611,10 +617,10 @@ impl Shell {
 /// (the container's fault, logged once per episode). A region that fails keeps no other
 /// from being tended.
 fn tend_all(
-    regions: &[(String, Arc<RegionFile>)],
+    regions: &[(AllocationId, Arc<RegionFile>)],
     allocs: &[Allocation],
     faults: &mut Faults,
-) -> HashMap<String, Option<Snapshot>> {
+) -> HashMap<AllocationId, Option<Snapshot>> {
     let mut snapshots = HashMap::new();
     for (id, r) in regions {
         let Some(a) = allocs.iter().find(|a| &a.id == id) else {
@@ -630,7 +636,7 @@ fn tend_all(
         }
         snapshots.insert(id.clone(), snapshot.ok());
     }
-    faults.retain(|id| allocs.iter().any(|a| a.id == id));
+    faults.retain(|id| allocs.iter().any(|a| &a.id == id));
     snapshots
 }
 
@@ -651,13 +657,13 @@ struct Observed<'a> {
     /// Started allocations.
     allocs: &'a [Allocation],
     /// What each allocation's region said this round (`None`: unreadable, counted full).
-    regions: &'a HashMap<String, Option<Snapshot>>,
+    regions: &'a HashMap<AllocationId, Option<Snapshot>>,
     /// Driver-reported memory per (allocation, GPU of the allocation).
     driver: &'a BTreeMap<Key, u64>,
     /// Summed utilization per (allocation, GPU of the allocation).
     util: &'a BTreeMap<Key, u32>,
     /// Driver-reported memory per (allocation, host pid).
-    proc_mem: &'a BTreeMap<(String, u32), u64>,
+    proc_mem: &'a BTreeMap<(AllocationId, u32), u64>,
     inner_pid: &'a HashMap<u32, u32>,
     /// Registered processes (the kernel vouched for them), by host pid.
     known: &'a BTreeMap<u32, Registration>,
@@ -714,7 +720,7 @@ impl Observed<'_> {
             namespace: owner.namespace.clone(),
             pod: owner.pod.clone(),
             container: owner.container.clone(),
-            allocation: a.id.clone(),
+            allocation: a.id.to_string(),
             gpus: (0..a.gpus.len())
                 .map(|dev| self.container_gpu(a, dev))
                 .collect(),
@@ -730,7 +736,7 @@ impl Observed<'_> {
         let whole = a.percent >= 100;
         let share = if whole { 100 } else { a.percent };
         let index = self.uuids.iter().position(|u| u == uuid).unwrap_or(dev);
-        let key = (a.id.clone(), dev);
+        let key = Key::new(a.id.clone(), dev);
         ContainerGpuView {
             index: index as u32,
             uuid: uuid.clone(),
@@ -827,7 +833,8 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = child.id();
-        let e = kill_in_pod(d.path(), pid, "uid-1").unwrap_err();
+        let uid1 = PodUid::from("uid-1");
+        let e = kill_in_pod(d.path(), pid, &uid1).unwrap_err();
         assert!(
             matches!(&e, KillError::Cgroup { path, .. } if path.ends_with(format!("{pid}/cgroup"))),
             "{e:?}"
@@ -836,39 +843,40 @@ mod tests {
         let dir = d.path().join(pid.to_string());
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("cgroup"), "0::/kubepods/poduid-2/x\n").unwrap();
-        assert!(
-            !kill_in_pod(d.path(), pid, "uid-1").unwrap(),
-            "another pod's"
-        );
+        assert!(!kill_in_pod(d.path(), pid, &uid1).unwrap(), "another pod's");
         assert!(child.try_wait().unwrap().is_none(), "still running");
         std::fs::write(dir.join("cgroup"), "0::/kubepods/poduid-1/x\n").unwrap();
-        assert!(kill_in_pod(d.path(), pid, "uid-1").unwrap());
+        assert!(kill_in_pod(d.path(), pid, &uid1).unwrap());
         let status = child.wait().unwrap();
         assert_eq!(
             std::os::unix::process::ExitStatusExt::signal(&status),
             Some(libc::SIGKILL)
         );
         assert!(matches!(
-            kill_in_pod(d.path(), u32::MAX, "uid-1"),
+            kill_in_pod(d.path(), u32::MAX, &uid1),
             Err(KillError::PidRange { .. })
         ));
     }
 
     #[test]
     fn processes_are_attributed_by_registration_then_cgroup() {
-        let registered: HashMap<u32, String> = [(10, "a1".to_string())].into();
-        let by_uid: BTreeMap<String, String> = [("uid-2".to_string(), "a2".to_string())].into();
+        let registered: HashMap<u32, AllocationId> = [(10, "a1".into())].into();
+        let by_uid: BTreeMap<PodUid, AllocationId> = [("uid-2".into(), "a2".into())].into();
         let cg = |pid: u32| match pid {
             20 => Some("0::/kubepods/poduid-2/x\n".to_string()),
             30 => Some("0::/system.slice/sshd.service\n".to_string()),
             _ => None,
         };
         assert_eq!(
-            owner_of(10, &registered, &by_uid, &cg).as_deref(),
+            owner_of(10, &registered, &by_uid, &cg)
+                .as_ref()
+                .map(AllocationId::as_str),
             Some("a1")
         );
         assert_eq!(
-            owner_of(20, &registered, &by_uid, &cg).as_deref(),
+            owner_of(20, &registered, &by_uid, &cg)
+                .as_ref()
+                .map(AllocationId::as_str),
             Some("a2"),
             "unregistered: a bypass is found by its cgroup"
         );
@@ -891,11 +899,11 @@ mod tests {
             created: 0,
         };
         let allocs = [alloc("a1"), alloc("a2"), alloc("a3")];
-        let regions: Vec<(String, Arc<RegionFile>)> = ["a1", "a2", "a3"]
+        let regions: Vec<(AllocationId, Arc<RegionFile>)> = ["a1", "a2", "a3"]
             .iter()
             .map(|id| {
                 let r = RegionFile::create_or_open(&d.path().join(id), &[uuid]).unwrap();
-                (id.to_string(), Arc::new(r))
+                (AllocationId::from(*id), Arc::new(r))
             })
             .collect();
         // The container of a2 truncates its region.
@@ -918,7 +926,10 @@ mod tests {
             let share = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
             assert_eq!(share, 300_000, "{id}: its share written");
         }
-        assert!(!faults.failed("a2"), "a2's episode is already reported");
-        assert!(faults.failed("a1"));
+        assert!(
+            !faults.failed(&"a2".into()),
+            "a2's episode is already reported"
+        );
+        assert!(faults.failed(&"a1".into()));
     }
 }

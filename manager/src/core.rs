@@ -21,7 +21,7 @@ use vcuda_manager_core::allocation::{
 };
 use vcuda_manager_core::assign::{actual_shape, check_assignment, AssignError, PodFacts, Shape};
 use vcuda_manager_core::identity;
-use vcuda_manager_core::ids::{DeviceId, Kind};
+use vcuda_manager_core::ids::{AllocationId, ContainerRef, DeviceId, Kind, PodUid};
 use vcuda_manager_core::inventory::Inventory;
 use vcuda_manager_core::placement::{
     check_memory, preferred, preferred_on, Pairing, PlacementError,
@@ -111,12 +111,16 @@ impl CoreError {
 /// messages go to the manager's log.
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
-    #[error("no allocation {allocation:?} on this node")]
-    UnknownAllocation { allocation: String },
+    #[error("no allocation {:?} on this node", allocation.as_str())]
+    UnknownAllocation { allocation: AllocationId },
     #[error("allocation {allocation} has not been started by the kubelet")]
-    NotStarted { allocation: String },
+    NotStarted { allocation: AllocationId },
     #[error("allocation {allocation} ({owner}): the kubelet's checkpoint names no pod UID for it, so the process's cgroup cannot be checked; is --kubelet-checkpoint the kubelet's kubelet_internal_checkpoint?")]
-    NoPodUid { allocation: String, owner: String },
+    NoPodUid {
+        allocation: AllocationId,
+        /// `namespace/pod/container`.
+        owner: String,
+    },
     #[error("cannot read {}: {source} (has the process exited? is --proc-root the host's /proc?)", path.display())]
     Proc {
         path: PathBuf,
@@ -125,9 +129,10 @@ pub enum ClaimError {
     #[error("process {host_pid} is not in the cgroup of pod {owner} (uid {uid}), which holds allocation {allocation}")]
     NotInPod {
         host_pid: u32,
+        /// `namespace/pod/container`.
         owner: String,
-        uid: String,
-        allocation: String,
+        uid: PodUid,
+        allocation: AllocationId,
     },
     #[error("process {host_pid} claims pid {pid} in its namespace, which it is not")]
     WrongPid { host_pid: u32, pid: u32 },
@@ -136,7 +141,7 @@ pub enum ClaimError {
     #[error("slot {slot} of allocation {allocation} is not held by pid {pid}")]
     SlotNotHeld {
         slot: u32,
-        allocation: String,
+        allocation: AllocationId,
         pid: u32,
     },
     #[error(transparent)]
@@ -165,7 +170,7 @@ pub struct Core {
     pub settings: Settings,
     pub inventory: Inventory,
     pub layout: Layout,
-    allocs: BTreeMap<String, Allocation>,
+    allocs: BTreeMap<AllocationId, Allocation>,
     journal: Journal,
     pairing: Pairing,
     epoch: Instant,
@@ -173,11 +178,11 @@ pub struct Core {
     pub changed: std::sync::Arc<tokio::sync::Notify>,
     /// Exchanges of identical pods' decisions not yet written to the Node's reservations:
     /// pod uid → the shares it now stands for ([`vcuda_manager_core::assign::partner`]).
-    pub overrides: BTreeMap<String, Vec<GpuShare>>,
+    pub overrides: BTreeMap<PodUid, Vec<GpuShare>>,
     /// Each started allocation's region, opened once: at PreStartContainer, before its
     /// container exists, or (after a manager restart) by the control loop, outside the
     /// state lock. Never opened again by path while held.
-    regions: BTreeMap<String, Arc<RegionFile>>,
+    regions: BTreeMap<AllocationId, Arc<RegionFile>>,
     /// Registered processes by host pid ([`Registration`]).
     registrations: BTreeMap<u32, Registration>,
 }
@@ -213,10 +218,10 @@ impl Core {
                 "checkpoint lines that could not be read were dropped; their containers keep running, and PreStartContainer for them fails with a reason"
             );
         }
-        let on_disk: Vec<String> = std::fs::read_dir(layout.allocations_dir())
+        let on_disk: Vec<AllocationId> = std::fs::read_dir(layout.allocations_dir())
             .map(|rd| {
                 rd.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .map(|e| AllocationId::new(e.file_name().to_string_lossy()))
                     .collect()
             })
             .unwrap_or_default();
@@ -253,7 +258,7 @@ impl Core {
     }
 
     /// Record one allocation's current state in the checkpoint.
-    fn save(&mut self, id: &str) -> Result<(), JournalError> {
+    fn save(&mut self, id: &AllocationId) -> Result<(), JournalError> {
         self.changed.notify_one();
         match self.allocs.get(id) {
             Some(a) => self.journal.put(a),
@@ -268,7 +273,7 @@ impl Core {
     }
 
     /// Make an allocation's directories (again, after a reboot emptied the run directory).
-    fn make_dirs(&self, id: &str) -> Result<(), FileError> {
+    fn make_dirs(&self, id: &AllocationId) -> Result<(), FileError> {
         for d in [self.layout.config_dir(id), self.layout.region_dir(id)] {
             create_dir(&d)?;
         }
@@ -283,7 +288,7 @@ impl Core {
         self.allocs.values()
     }
 
-    pub fn allocation(&self, id: &str) -> Option<&Allocation> {
+    pub fn allocation(&self, id: &AllocationId) -> Option<&Allocation> {
         self.allocs.get(id)
     }
 
@@ -392,7 +397,7 @@ impl Core {
     /// admission retried). Remove it now, so that nothing of it (its config, its owner) can be
     /// taken for the new container's.
     fn supersede(&mut self, kind: Kind, ids: &[String]) {
-        let gone: Vec<String> = self
+        let gone: Vec<AllocationId> = self
             .allocs
             .values()
             .filter(|a| {
@@ -431,7 +436,7 @@ impl Core {
     /// PreStartContainer for an allocation already configured (the container's other
     /// resource, or a container restart): the kubelet cannot change a container's devices
     /// without a new Allocate, so there is nothing to check or write. Returns its id.
-    pub fn already_started(&self, kind: Kind, ids: &[String]) -> Option<String> {
+    pub fn already_started(&self, kind: Kind, ids: &[String]) -> Option<AllocationId> {
         self.allocs
             .values()
             .find(|a| {
@@ -453,8 +458,8 @@ impl Core {
         kind: Kind,
         ids: &[String],
         held: Option<Holdings>,
-        pod_uid: Option<String>,
-    ) -> Result<String, CoreError> {
+        pod_uid: Option<PodUid>,
+    ) -> Result<AllocationId, CoreError> {
         self.pre_start_with(kind, ids, held, pod_uid, None, None)
     }
 
@@ -469,10 +474,10 @@ impl Core {
         kind: Kind,
         ids: &[String],
         held: Option<Holdings>,
-        pod_uid: Option<String>,
+        pod_uid: Option<PodUid>,
         pod: Option<&PodFacts>,
         assigned: Option<Result<Vec<GpuShare>, AssignError>>,
-    ) -> Result<String, CoreError> {
+    ) -> Result<AllocationId, CoreError> {
         let Some(held) = held else {
             return Err(CoreError::NotListed {
                 resource: kind.resource(&self.settings.domain),
@@ -547,7 +552,7 @@ impl Core {
 
     /// The pod UID of an allocation, from the kubelet's checkpoint, when a process of it
     /// registers (kept off PreStartContainer's path).
-    pub fn learn_pod_uid(&mut self, id: &str) {
+    pub fn learn_pod_uid(&mut self, id: &AllocationId) {
         if self.allocs.get(id).is_some_and(needs_uid) {
             let entries = read_checkpoint(&self.settings.kubelet_checkpoint);
             self.apply_pod_uids(&entries);
@@ -563,7 +568,7 @@ impl Core {
     /// [`read_checkpoint`], outside the lock).
     pub fn apply_pod_uids(&mut self, entries: &[identity::CheckpointEntry]) {
         let resource = Kind::Core.resource(&self.settings.domain);
-        let learnt: Vec<(String, String)> = self
+        let learnt: Vec<(AllocationId, PodUid)> = self
             .allocs
             .values()
             .filter(|a| needs_uid(a))
@@ -588,13 +593,13 @@ impl Core {
 
     /// What checking a process against `allocation` needs, taken under the state lock;
     /// the checks themselves ([`Claimant`]) read `/proc` and the region without it.
-    pub fn claimant(&mut self, allocation: &str) -> Result<Claimant, ClaimError> {
+    pub fn claimant(&mut self, allocation: &AllocationId) -> Result<Claimant, ClaimError> {
         self.learn_pod_uid(allocation);
         let alloc = self
             .allocs
             .get(allocation)
             .ok_or_else(|| ClaimError::UnknownAllocation {
-                allocation: allocation.to_string(),
+                allocation: allocation.clone(),
             })?;
         let owner = alloc.owner.as_ref().ok_or_else(|| ClaimError::NotStarted {
             allocation: alloc.id.clone(),
@@ -605,7 +610,7 @@ impl Core {
         })?;
         Ok(Claimant {
             allocation: alloc.id.clone(),
-            owner: owner.key(),
+            owner: owner.container_ref(),
             uid,
             proc_root: self.settings.proc_root.clone(),
             region: self.regions.get(allocation).cloned(),
@@ -616,13 +621,17 @@ impl Core {
 
     /// Whether host process `host_pid` belongs to the pod holding `allocation` (see
     /// [`Claimant::check_in_pod`]; for callers that hold the lock anyway).
-    pub fn check_in_pod(&mut self, allocation: &str, host_pid: u32) -> Result<(), ClaimError> {
+    pub fn check_in_pod(
+        &mut self,
+        allocation: &AllocationId,
+        host_pid: u32,
+    ) -> Result<(), ClaimError> {
         self.claimant(allocation)?.check_in_pod(host_pid)
     }
 
     /// The allocations' regions held open, and the started allocations that have none yet
     /// (after a manager restart), for the control loop.
-    pub fn regions(&self) -> (Vec<(String, Arc<RegionFile>)>, Vec<Unopened>) {
+    pub fn regions(&self) -> (Vec<(AllocationId, Arc<RegionFile>)>, Vec<Unopened>) {
         let mut held = Vec::new();
         let mut missing = Vec::new();
         for a in self.allocs.values().filter(|a| a.finished()) {
@@ -658,16 +667,16 @@ impl Core {
     }
 
     /// Keep a region the control loop opened (unless PreStartContainer made one meanwhile).
-    pub fn adopt_region(&mut self, id: &str, region: Arc<RegionFile>) {
+    pub fn adopt_region(&mut self, id: &AllocationId, region: Arc<RegionFile>) {
         if self.allocs.contains_key(id) {
-            self.regions.entry(id.to_owned()).or_insert(region);
+            self.regions.entry(id.clone()).or_insert(region);
         }
     }
 
     /// Forget an allocation whose container is gone, and its files.
-    pub fn remove(&mut self, id: &str) -> Result<(), CoreError> {
+    pub fn remove(&mut self, id: &AllocationId) -> Result<(), CoreError> {
         self.regions.remove(id);
-        self.registrations.retain(|_, r| r.allocation != id);
+        self.registrations.retain(|_, r| r.allocation != *id);
         if self.allocs.remove(id).is_some() {
             self.changed.notify_one();
             self.journal.remove(id)?;
@@ -682,7 +691,7 @@ impl Core {
 /// never the host pid a container can write into its region.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Registration {
-    pub allocation: String,
+    pub allocation: AllocationId,
     /// Its pid in its container's namespace.
     pub pid: u32,
     /// Its start time (clock ticks since boot): with the host pid, names the process.
@@ -691,7 +700,7 @@ pub struct Registration {
 
 /// A started allocation whose region the manager does not hold open yet.
 pub struct Unopened {
-    pub id: String,
+    pub id: AllocationId,
     pub path: PathBuf,
     pub uuids: Vec<[u8; 16]>,
 }
@@ -699,9 +708,9 @@ pub struct Unopened {
 /// A process's claim on an allocation, checked against the kernel's view of it outside the
 /// state lock ([`Core::claimant`]).
 pub struct Claimant {
-    pub allocation: String,
-    owner: String,
-    uid: String,
+    pub allocation: AllocationId,
+    owner: ContainerRef,
+    uid: PodUid,
     proc_root: PathBuf,
     region: Option<Arc<RegionFile>>,
     region_path: PathBuf,
@@ -713,10 +722,10 @@ impl Claimant {
     /// cgroup names the pod's UID): what lets it register, or ask about its container.
     pub fn check_in_pod(&self, host_pid: u32) -> Result<(), ClaimError> {
         let cgroup = read_proc(&self.proc_root.join(host_pid.to_string()).join("cgroup"))?;
-        if !identity::in_pod(&cgroup, &self.uid) {
+        if !identity::in_pod(&cgroup, self.uid.as_str()) {
             return Err(ClaimError::NotInPod {
                 host_pid,
-                owner: self.owner.clone(),
+                owner: self.owner.to_string(),
                 uid: self.uid.clone(),
                 allocation: self.allocation.clone(),
             });
@@ -780,13 +789,13 @@ impl Claimant {
 
 /// A fresh allocation id: 128 random bits, so that a container cannot guess another's (it
 /// sees its own in its config and environment) and ids are never reused.
-fn new_id() -> Result<String, CoreError> {
+fn new_id() -> Result<AllocationId, CoreError> {
     let mut b = [0u8; 16];
     getrandom::fill(&mut b).map_err(CoreError::RandomId)?;
-    Ok(format!(
+    Ok(AllocationId::new(format!(
         "a{}",
         b.iter().map(|x| format!("{x:02x}")).collect::<String>()
-    ))
+    )))
 }
 
 fn needs_uid(a: &Allocation) -> bool {
@@ -898,7 +907,7 @@ pub(crate) mod tests {
                     Kind::Core,
                     &cores,
                     held(&format!("p{r}"), cores.clone(), mem.clone()),
-                    Some(format!("uid-{r}")),
+                    Some(PodUid::new(format!("uid-{r}"))),
                 )
                 .unwrap();
             let cfg_dir = &a
@@ -988,7 +997,7 @@ pub(crate) mod tests {
     fn directories_the_checkpoint_does_not_know_are_collected_at_start() {
         let d = tempfile::tempdir().unwrap();
         let c = core(d.path());
-        let orphan = c.layout.dir("a0123");
+        let orphan = c.layout.dir(&"a0123".into());
         std::fs::create_dir_all(orphan.join("region")).unwrap();
         std::fs::write(orphan.join("region").join("region"), b"x").unwrap();
         drop(c);
@@ -1145,7 +1154,7 @@ pub(crate) mod tests {
         let proc_root = d.path().join("proc");
         c.settings.proc_root = proc_root.clone();
         c.settings.kubelet_checkpoint = d.path().join("no-checkpoint");
-        let e = c.claimant("a0").err().expect("refused");
+        let e = c.claimant(&"a0".into()).err().expect("refused");
         assert!(
             matches!(&e, ClaimError::UnknownAllocation { allocation } if allocation == "a0"),
             "{e:?}"

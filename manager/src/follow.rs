@@ -13,7 +13,10 @@ use crate::state::Shared;
 use vcuda_cluster::GpuShare;
 use vcuda_manager_core::allocation::Holdings;
 use vcuda_manager_core::assign::{self, AssignError, Holds, PodFacts};
-use vcuda_manager_core::ids::{DeviceId, Kind};
+use vcuda_manager_core::ids::{ContainerRef, DeviceId, Kind};
+
+/// The GPUs (UUIDs, in PodResources' order) each container's resource is on.
+pub type GpusOf = HashMap<(ContainerRef, Kind), Vec<String>>;
 
 impl Shared {
     /// With the API server: for each container of a GetPreferredAllocation, the GPUs the
@@ -64,7 +67,7 @@ impl Shared {
                     .filter_map(|i| DeviceId::parse(i))
                     .collect();
                 let went = gpus_of
-                    .get(&(p.namespace.clone(), p.name.clone(), c.name.clone(), other))
+                    .get(&(p.container(&c.name), other))
                     .cloned()
                     .unwrap_or_default();
                 let assigned =
@@ -80,17 +83,14 @@ impl Shared {
                     &available,
                     &went,
                 );
-                tracing::debug!(pod = %format!("{}/{}", p.namespace, p.name), container = %c.name, ?want, "GetPreferredAllocation for");
+                tracing::debug!(pod = %p.key(), container = %c.name, ?want, "GetPreferredAllocation for");
                 want
             })
             .collect()
     }
 
     /// Who holds which of our resources now (a fresh PodResources list), and on which GPUs.
-    pub async fn holds(
-        &self,
-    ) -> Result<(Holds, HashMap<(String, String, String, Kind), Vec<String>>), PodResourcesError>
-    {
+    pub async fn holds(&self) -> Result<(Holds, GpusOf), PodResourcesError> {
         let (socket, domain) = {
             let core = self.core.lock();
             (
@@ -104,7 +104,7 @@ impl Shared {
         };
         let (core_name, mem_name) = (Kind::Core.resource(&domain), Kind::Memory.resource(&domain));
         let mut holds = Holds::new();
-        let mut gpus_of: HashMap<(String, String, String, Kind), Vec<String>> = HashMap::new();
+        let mut gpus_of = GpusOf::new();
         for p in &list.pod_resources {
             for c in &p.containers {
                 for d in &c.devices {
@@ -118,7 +118,7 @@ impl Shared {
                     if d.device_ids.is_empty() {
                         continue;
                     }
-                    let key = (p.namespace.clone(), p.name.clone(), c.name.clone(), k);
+                    let key = (ContainerRef::new(&p.namespace, &p.name, &c.name), k);
                     let g = gpus_of.entry(key.clone()).or_default();
                     for id in d.device_ids.iter().filter_map(|i| DeviceId::parse(i)) {
                         if !g.contains(&id.uuid) {
@@ -227,8 +227,8 @@ impl Shared {
             })
             .collect();
         info!(
-            pod = %format!("{}/{}", pod.namespace, pod.name),
-            with = %format!("{}/{}", y.namespace, y.name),
+            pod = %pod.key(),
+            with = %y.key(),
             "the kubelet admitted two identical pods in another order than they were bound: their assignments are exchanged"
         );
         let y_uid = y.uid.clone();

@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::files::{write_atomic, FileError};
 use vcuda_manager_core::allocation::Allocation;
+use vcuda_manager_core::ids::AllocationId;
 
 /// Format version of a line.
 pub const VERSION: u32 = 1;
@@ -101,13 +102,13 @@ struct Line {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     put: Option<Allocation>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    remove: Option<String>,
+    remove: Option<AllocationId>,
 }
 
 /// What replaying a journal found.
 #[derive(Debug, Default)]
 pub struct Replay {
-    pub allocations: BTreeMap<String, Allocation>,
+    pub allocations: BTreeMap<AllocationId, Allocation>,
     /// Lines that did not parse or are of another version (reported, then dropped by the
     /// compaction that follows).
     pub skipped: usize,
@@ -134,7 +135,7 @@ pub fn replay(text: &str) -> Replay {
 
 /// Apply line number `line` (`raw`) to `allocations`, or say why it cannot be.
 fn apply(
-    allocations: &mut BTreeMap<String, Allocation>,
+    allocations: &mut BTreeMap<AllocationId, Allocation>,
     line: usize,
     raw: &str,
 ) -> Result<(), RecordError> {
@@ -200,7 +201,7 @@ impl Journal {
     /// Write `allocations` as a fresh journal (atomically) and open it for appending.
     fn rewrite(
         path: &Path,
-        allocations: &BTreeMap<String, Allocation>,
+        allocations: &BTreeMap<AllocationId, Allocation>,
     ) -> Result<Journal, JournalError> {
         let mut bytes = Vec::new();
         for a in allocations.values() {
@@ -260,18 +261,18 @@ impl Journal {
     }
 
     /// Record that an allocation is gone.
-    pub fn remove(&mut self, id: &str) -> Result<(), JournalError> {
+    pub fn remove(&mut self, id: &AllocationId) -> Result<(), JournalError> {
         self.append(&Line {
             v: VERSION,
             put: None,
-            remove: Some(id.to_string()),
+            remove: Some(id.clone()),
         })
     }
 
     /// Rewrite the file compact if it holds more than 2 lines per live allocation (+ 64).
     pub fn compact_if_needed(
         &mut self,
-        live: &BTreeMap<String, Allocation>,
+        live: &BTreeMap<AllocationId, Allocation>,
     ) -> Result<bool, JournalError> {
         if self.lines <= 2 * live.len() + 64 {
             return Ok(false);
@@ -309,7 +310,7 @@ mod tests {
             j.put(&alloc("a", 1)).unwrap();
             j.put(&alloc("b", 1)).unwrap();
             j.put(&alloc("a", 2)).unwrap();
-            j.remove("b").unwrap();
+            j.remove(&"b".into()).unwrap();
         }
         let (_, r) = Journal::open(&p).unwrap();
         assert_eq!(r.allocations.len(), 1);
@@ -318,6 +319,50 @@ mod tests {
         // Opening compacted it: one line per live allocation.
         let (_, r) = Journal::open(&p).unwrap();
         assert_eq!(r.lines, 1);
+    }
+
+    /// Lines as the previous release wrote them (ids were bare strings then, as they are
+    /// on disk now: the id types serialize transparently) load, and are written back
+    /// byte for byte.
+    #[test]
+    fn a_line_in_the_existing_format_round_trips() {
+        let put = concat!(
+            r#"{"v":1,"put":{"id":"a5f3c2e1d0b9a8f7e6d5c4b3a2918070","#,
+            r#""cores":["GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d401-core-0000"],"#,
+            r#""gpus":["GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d401"],"percent":30,"#,
+            r#""memory":["GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d401-mem-0000"],"#,
+            r#""quota":1073741824,"core_limit":60,"#,
+            r#""owner":{"namespace":"ns","pod":"p","container":"c","uid":"0f6c7d3e-1b2a-4c5d-8e9f-001122334455"},"#,
+            r#""created":1700000000}}"#
+        );
+        let remove = r#"{"v":1,"remove":"a00000000000000000000000000000001"}"#;
+        let r = replay(&format!("{put}\n{remove}\n"));
+        assert_eq!((r.lines, r.skipped), (2, 0), "{:?}", r.first_skipped);
+        let id = AllocationId::from("a5f3c2e1d0b9a8f7e6d5c4b3a2918070");
+        let a = &r.allocations[&id];
+        assert_eq!(a.id, id);
+        let owner = a.owner.as_ref().unwrap();
+        assert_eq!(
+            owner.uid.as_ref().map(|u| u.as_str()),
+            Some("0f6c7d3e-1b2a-4c5d-8e9f-001122334455")
+        );
+        let written = |l: &Line| String::from_utf8(line(l)).unwrap();
+        assert_eq!(
+            written(&Line {
+                v: VERSION,
+                put: Some(a.clone()),
+                remove: None,
+            }),
+            format!("{put}\n")
+        );
+        assert_eq!(
+            written(&Line {
+                v: VERSION,
+                put: None,
+                remove: Some("a00000000000000000000000000000001".into()),
+            }),
+            format!("{remove}\n")
+        );
     }
 
     #[test]
@@ -397,7 +442,7 @@ mod tests {
         let p = d.path().join("j.jsonl");
         let (mut j, _) = Journal::open(&p).unwrap();
         let mut live = BTreeMap::new();
-        live.insert("a".to_string(), alloc("a", 1));
+        live.insert(AllocationId::from("a"), alloc("a", 1));
         for q in 0..60 {
             j.put(&alloc("a", q)).unwrap();
         }

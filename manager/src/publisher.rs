@@ -19,6 +19,7 @@ use vcuda_cluster::{Reservations, INVENTORY_ANNOTATION, RESERVATIONS_ANNOTATION,
 use crate::apiserver::{ApiError, ApiServer};
 use crate::state::Shared;
 use vcuda_manager_core::assign;
+use vcuda_manager_core::ids::PodUid;
 
 /// Wait this long after a change before publishing (a pod's containers change together).
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
@@ -101,7 +102,7 @@ async fn publish_once(api: &ApiServer, shared: &Shared, down: bool) -> Result<bo
         )
     };
     // Reservations left on the Node after this write (an override of any other is done).
-    let mut published: Vec<String> = Vec::new();
+    let mut published: Vec<PodUid> = Vec::new();
     let mut health = shared.health.borrow().clone();
     if down {
         health.iter_mut().for_each(|h| *h = false);
@@ -149,7 +150,7 @@ async fn publish_once(api: &ApiServer, shared: &Shared, down: bool) -> Result<bo
                 // Exchanges first (assign::partner): a retired pod's and its partner's
                 // reservations change in the same write.
                 for r in &mut res.pods {
-                    if let Some(o) = overrides.get(&r.uid) {
+                    if let Some(o) = overrides.get(r.uid.as_str()) {
                         if &r.gpus != o {
                             r.gpus = o.clone();
                             exchanged.push(r.uid.clone());
@@ -172,7 +173,11 @@ async fn publish_once(api: &ApiServer, shared: &Shared, down: bool) -> Result<bo
                     })?;
                     patch.insert(RESERVATIONS_ANNOTATION.into(), json!(v));
                 }
-                published = res.pods.iter().map(|r| r.uid.clone()).collect();
+                published = res
+                    .pods
+                    .iter()
+                    .map(|r| PodUid::new(r.uid.as_str()))
+                    .collect();
             }
             Err(e) => {
                 warn!(node = %api.node, error = %e, "annotation {RESERVATIONS_ANNOTATION} is not readable; left as it is")
@@ -187,7 +192,7 @@ async fn publish_once(api: &ApiServer, shared: &Shared, down: bool) -> Result<bo
         .filter(|p| !p.finished)
         .map(|p| p.uid.as_str())
         .collect();
-    let forget = |shared: &Shared, published: &[String]| {
+    let forget = |shared: &Shared, published: &[PodUid]| {
         let mut core = shared.core.lock();
         core.overrides.retain(|uid, o| {
             overrides.get(uid) != Some(o)

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use vcuda_contract::config::{ContainerConfig, GpuLimit, CONFIG_VERSION};
 
-use crate::ids::{DeviceId, Kind, MEMORY_UNIT};
+use crate::ids::{AllocationId, ContainerRef, DeviceId, Kind, PodUid, MEMORY_UNIT};
 use crate::placement::{check_cores, check_memory, Cores, Node, PlacementError};
 
 /// Paths inside the container.
@@ -71,19 +71,29 @@ pub struct Owner {
     pub pod: String,
     pub container: String,
     /// From the kubelet's checkpoint, when it names one (for the cgroup check).
-    pub uid: Option<String>,
+    pub uid: Option<PodUid>,
 }
 
 impl Owner {
+    /// The container it is.
+    pub fn container_ref(&self) -> ContainerRef {
+        ContainerRef::new(
+            self.namespace.clone(),
+            self.pod.clone(),
+            self.container.clone(),
+        )
+    }
+
+    /// `namespace/pod/container`.
     pub fn key(&self) -> String {
-        format!("{}/{}/{}", self.namespace, self.pod, self.container)
+        self.container_ref().to_string()
     }
 }
 
 /// One container's allocation (persisted in the manager's checkpoint).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Allocation {
-    pub id: String,
+    pub id: AllocationId,
     /// Its `vcuda-core` device IDs.
     pub cores: Vec<String>,
     /// Its GPUs.
@@ -132,22 +142,22 @@ impl Layout {
     pub fn allocations_dir(&self) -> PathBuf {
         self.run_dir.join("alloc")
     }
-    pub fn dir(&self, id: &str) -> PathBuf {
-        self.allocations_dir().join(id)
+    pub fn dir(&self, id: &AllocationId) -> PathBuf {
+        self.allocations_dir().join(id.as_str())
     }
     pub fn journal(&self) -> PathBuf {
         self.state_dir.join("allocations.jsonl")
     }
-    pub fn config_dir(&self, id: &str) -> PathBuf {
+    pub fn config_dir(&self, id: &AllocationId) -> PathBuf {
         self.dir(id).join("etc")
     }
-    pub fn config_file(&self, id: &str) -> PathBuf {
+    pub fn config_file(&self, id: &AllocationId) -> PathBuf {
         self.config_dir(id).join("vcuda.toml")
     }
-    pub fn region_dir(&self, id: &str) -> PathBuf {
+    pub fn region_dir(&self, id: &AllocationId) -> PathBuf {
         self.dir(id).join("region")
     }
-    pub fn region_file(&self, id: &str) -> PathBuf {
+    pub fn region_file(&self, id: &AllocationId) -> PathBuf {
         self.region_dir(id).join("region")
     }
     pub fn preload_file(&self) -> PathBuf {
@@ -241,7 +251,7 @@ pub fn answer(layout: &Layout, alloc: &Allocation, gpus: &[Gpu]) -> Answer {
         format!("{CONTAINER_CONFIG_DIR}/vcuda.toml"),
     );
     a.annotations
-        .insert("vcuda.io/allocation".into(), alloc.id.clone());
+        .insert("vcuda.io/allocation".into(), alloc.id.to_string());
     a
 }
 
@@ -273,7 +283,7 @@ pub fn container_config(alloc: &Allocation, gpus: &[Gpu]) -> ContainerConfig {
         version: CONFIG_VERSION,
         region: CONTAINER_REGION.into(),
         socket: Some(Path::new(CONTAINER_SOCKET_DIR).join(SOCKET_NAME)),
-        allocation: Some(alloc.id.clone()),
+        allocation: Some(alloc.id.to_string()),
         cuda_library: "libcuda.so.1".into(),
         nvml_library: "libnvidia-ml.so.1".into(),
         gpu,

@@ -27,7 +27,7 @@ use vcuda_cluster::{
 };
 
 use crate::allocation::Allocation;
-use crate::ids::{DeviceId, Kind, CORES_PER_GPU, MEMORY_UNIT};
+use crate::ids::{ContainerRef, DeviceId, Kind, PodRef, PodUid, CORES_PER_GPU, MEMORY_UNIT};
 use crate::inventory::Inventory;
 use crate::placement::{split_gpus, Link, Node};
 
@@ -101,7 +101,7 @@ impl ContainerFacts {
 pub struct PodFacts {
     pub namespace: String,
     pub name: String,
-    pub uid: String,
+    pub uid: PodUid,
     /// RFC 3339 (sorts as time).
     pub created: String,
     /// When the pod was bound, ms since the epoch, as well as known: the scheduler's
@@ -122,8 +122,14 @@ pub struct PodFacts {
 }
 
 impl PodFacts {
-    pub fn key(&self) -> (String, String) {
-        (self.namespace.clone(), self.name.clone())
+    /// The pod by name.
+    pub fn key(&self) -> PodRef {
+        PodRef::new(self.namespace.clone(), self.name.clone())
+    }
+
+    /// Its container `container`.
+    pub fn container(&self, container: &str) -> ContainerRef {
+        ContainerRef::new(self.namespace.clone(), self.name.clone(), container)
     }
 
     /// One container asks for vcuda resources, and no init container does: its
@@ -229,7 +235,7 @@ pub fn facts(pod: &Pod, domain: &str) -> PodFacts {
         scheduled_ms,
         namespace: meta.namespace.clone().unwrap_or_default(),
         name: meta.name.clone().unwrap_or_default(),
-        uid: meta.uid.clone().unwrap_or_default(),
+        uid: PodUid::new(meta.uid.clone().unwrap_or_default()),
         created: meta
             .creation_timestamp
             .as_ref()
@@ -258,7 +264,7 @@ pub fn vouch(pod: &mut PodFacts, reservations: Option<&Reservations>) -> Option<
         return None;
     };
     let who = format!("pod {}/{}", pod.namespace, pod.name);
-    let why = match reservations.and_then(|r| r.pods.iter().find(|r| r.uid == pod.uid)) {
+    let why = match reservations.and_then(|r| r.pods.iter().find(|r| pod.uid == r.uid.as_str())) {
         None => Some(format!("{who} carries {ASSIGNMENT_ANNOTATION} but no vcuda-scheduler reservation on this node names it (bound by another scheduler, created with spec.nodeName, or reserved too long ago): ignored, the manager places it itself")),
         // One container: [`effective`] follows the reservation itself (an exchange with an
         // identical pod rewrites it), not the annotation.
@@ -301,8 +307,8 @@ pub fn vouch(pod: &mut PodFacts, reservations: Option<&Reservations>) -> Option<
     why
 }
 
-/// Who holds which resource, from PodResources: `(namespace, pod, container, kind)`.
-pub type Holds = HashSet<(String, String, String, Kind)>;
+/// Who holds which resource, from PodResources: (container, kind).
+pub type Holds = HashSet<(ContainerRef, Kind)>;
 
 /// The pod and container a GetPreferredAllocation of `size` IDs of `kind` is for (module
 /// documentation), or `None` when no pending container matches.
@@ -326,9 +332,8 @@ pub fn admitting<'a>(
             &b.name,
         ))
     });
-    let held = |p: &PodFacts, c: &ContainerFacts, k: Kind| {
-        holds.contains(&(p.namespace.clone(), p.name.clone(), c.name.clone(), k))
-    };
+    let held =
+        |p: &PodFacts, c: &ContainerFacts, k: Kind| holds.contains(&(p.container(&c.name), k));
     let other = match kind {
         Kind::Core => Kind::Memory,
         Kind::Memory => Kind::Core,
@@ -426,7 +431,7 @@ pub fn effective(
     pod: &PodFacts,
     container: &str,
     reservations: Option<&Reservations>,
-    overrides: &BTreeMap<String, Vec<GpuShare>>,
+    overrides: &BTreeMap<PodUid, Vec<GpuShare>>,
 ) -> Result<Option<Vec<GpuShare>>, AssignError> {
     let a = match &pod.assignment {
         None => return Ok(None),
@@ -445,7 +450,7 @@ pub fn effective(
             return Ok(Some(o.clone()));
         }
         let reserved = reservations
-            .and_then(|r| r.pods.iter().find(|r| r.uid == pod.uid))
+            .and_then(|r| r.pods.iter().find(|r| pod.uid == r.uid.as_str()))
             .filter(|r| !r.gpus.is_empty());
         if let Some(r) = reserved {
             return Ok(Some(r.gpus.clone()));
@@ -555,14 +560,9 @@ pub fn partner<'a>(
                 && y.containers[0].core == x.containers[0].core
                 && y.containers[0].memory == x.containers[0].memory
                 && y.gpu_count == x.gpu_count
-                && ![Kind::Core, Kind::Memory].iter().any(|&k| {
-                    holds.contains(&(
-                        y.namespace.clone(),
-                        y.name.clone(),
-                        y.containers[0].name.clone(),
-                        k,
-                    ))
-                })
+                && ![Kind::Core, Kind::Memory]
+                    .iter()
+                    .any(|&k| holds.contains(&(y.container(&y.containers[0].name), k)))
                 && effective(y).is_some_and(|e| &shape(&e) == actual)
         })
         .collect();
@@ -651,9 +651,9 @@ fn take(a: &Allocation, memory: u64) -> (u32, u64) {
 /// pod not listed counts every container as an app container, the larger figure), capped
 /// at the whole GPU. The record namespace quotas count (see [`PodHolding`]).
 pub fn holdings(inv: &Inventory, allocs: &[Allocation], pods: &[PodFacts]) -> Vec<PodHolding> {
-    // (namespace, pod) → GPU index → ((app core, app memory), (init core, init memory))
+    // pod → GPU index → ((app core, app memory), (init core, init memory))
     type Sums = BTreeMap<usize, ((u32, u64), (u32, u64))>;
-    let mut by_pod: BTreeMap<(&str, &str), (Option<&str>, Sums)> = BTreeMap::new();
+    let mut by_pod: BTreeMap<PodRef, (Option<&str>, Sums)> = BTreeMap::new();
     for a in allocs {
         let Some(o) = &a.owner else { continue };
         let facts = pods
@@ -661,9 +661,11 @@ pub fn holdings(inv: &Inventory, allocs: &[Allocation], pods: &[PodFacts]) -> Ve
             .find(|p| p.namespace == o.namespace && p.name == o.pod);
         let init =
             facts.is_some_and(|p| p.containers.iter().any(|c| c.name == o.container && c.init));
-        let uid = facts.map(|p| p.uid.as_str()).or(o.uid.as_deref());
+        let uid = facts
+            .map(|p| p.uid.as_str())
+            .or(o.uid.as_ref().map(PodUid::as_str));
         let entry = by_pod
-            .entry((o.namespace.as_str(), o.pod.as_str()))
+            .entry(PodRef::new(o.namespace.as_str(), o.pod.as_str()))
             .or_insert_with(|| (uid, Sums::new()));
         for (i, g) in inv.gpus.iter().enumerate() {
             if !a.gpus.contains(&g.uuid) {
@@ -682,9 +684,9 @@ pub fn holdings(inv: &Inventory, allocs: &[Allocation], pods: &[PodFacts]) -> Ve
     }
     by_pod
         .into_iter()
-        .map(|((namespace, name), (uid, sums))| PodHolding {
-            namespace: namespace.to_string(),
-            name: name.to_string(),
+        .map(|(PodRef { namespace, name }, (uid, sums))| PodHolding {
+            namespace,
+            name,
             uid: uid.map(str::to_string),
             gpus: sums
                 .into_iter()
@@ -709,10 +711,10 @@ pub fn retire(
     now_ms: u64,
     grace_ms: u64,
 ) -> Vec<String> {
-    let owned: HashSet<(&str, &str, &str)> = allocs
+    let owned: HashSet<ContainerRef> = allocs
         .iter()
         .filter_map(|a| a.owner.as_ref())
-        .map(|o| (o.namespace.as_str(), o.pod.as_str(), o.container.as_str()))
+        .map(|o| o.container_ref())
         .collect();
     let by_uid: BTreeMap<&str, &PodFacts> = pods.iter().map(|p| (p.uid.as_str(), p)).collect();
     res.pods
@@ -723,13 +725,7 @@ pub fn retire(
                     || p.containers
                         .iter()
                         .filter(|c| c.core > 0 && !c.init)
-                        .all(|c| {
-                            owned.contains(&(
-                                p.namespace.as_str(),
-                                p.name.as_str(),
-                                c.name.as_str(),
-                            ))
-                        })
+                        .all(|c| owned.contains(&p.container(&c.name)))
             }
             None => now_ms.saturating_sub(r.created_unix_ms) > grace_ms,
         })
@@ -751,7 +747,7 @@ mod tests {
         PodFacts {
             namespace: "ns".into(),
             name: name.into(),
-            uid: format!("uid-{name}"),
+            uid: PodUid::new(format!("uid-{name}")),
             created: created.into(),
             bound_ms: 0,
             scheduled_ms: 0,
@@ -791,7 +787,7 @@ mod tests {
     }
 
     fn hold(h: &mut Holds, pod: &str, c: &str, k: Kind) {
-        h.insert(("ns".into(), pod.into(), c.into(), k));
+        h.insert((ContainerRef::new("ns", pod, c), k));
     }
 
     fn node() -> Node {
@@ -970,7 +966,7 @@ mod tests {
             pods: vec![vcuda_cluster::Reservation {
                 namespace: "ns".into(),
                 name: "p".into(),
-                uid: p.uid.clone(),
+                uid: p.uid.to_string(),
                 gpus: vec![share(B)],
                 created_unix_ms: 0,
             }],

@@ -12,10 +12,12 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
+use crate::ids::PodUid;
+
 /// One entry of the kubelet's checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointEntry {
-    pub pod_uid: String,
+    pub pod_uid: PodUid,
     pub container: String,
     pub resource: String,
     pub device_ids: Vec<String>,
@@ -72,7 +74,7 @@ pub fn parse_checkpoint(text: &str) -> Result<Vec<CheckpointEntry>, CheckpointEr
             _ => {}
         }
         out.push(CheckpointEntry {
-            pod_uid,
+            pod_uid: PodUid::new(pod_uid),
             container,
             resource,
             device_ids,
@@ -82,7 +84,7 @@ pub fn parse_checkpoint(text: &str) -> Result<Vec<CheckpointEntry>, CheckpointEr
 }
 
 /// The pod UID holding any of `ids` of `resource`, per the checkpoint.
-pub fn pod_uid_of(entries: &[CheckpointEntry], resource: &str, ids: &[String]) -> Option<String> {
+pub fn pod_uid_of(entries: &[CheckpointEntry], resource: &str, ids: &[String]) -> Option<PodUid> {
     entries
         .iter()
         .find(|e| e.resource == resource && e.device_ids.iter().any(|d| ids.contains(d)))
@@ -125,7 +127,8 @@ pub fn start_time(stat: &str) -> Option<u64> {
 }
 
 /// Pod UIDs per resource and device, for quick lookups over many entries.
-pub fn index(entries: &[CheckpointEntry]) -> BTreeMap<(String, String), String> {
+/// Keyed by (resource name, device ID).
+pub fn index(entries: &[CheckpointEntry]) -> BTreeMap<(String, String), PodUid> {
     let mut m = BTreeMap::new();
     for e in entries {
         for d in &e.device_ids {
@@ -152,11 +155,15 @@ mod tests {
         ids.sort();
         assert_eq!(ids, ["a", "b", "c"]);
         assert_eq!(
-            pod_uid_of(&e, "tencent.com/vcuda-core", &["c".into()]).as_deref(),
+            pod_uid_of(&e, "tencent.com/vcuda-core", &["c".into()])
+                .as_ref()
+                .map(PodUid::as_str),
             Some("u-1")
         );
         assert_eq!(
-            pod_uid_of(&e, "tencent.com/vcuda-memory", &["m1".into()]).as_deref(),
+            pod_uid_of(&e, "tencent.com/vcuda-memory", &["m1".into()])
+                .as_ref()
+                .map(PodUid::as_str),
             Some("u-2")
         );
         assert_eq!(

@@ -4,7 +4,8 @@
 //! the clock's `now()`. The daemon (`vcuda-manager`) reads and writes; these functions take
 //! what it read and say what to do.
 //!
-//! - [`ids`]: device IDs (GPU UUID + kind + index; stable, ≤ 63 characters);
+//! - [`ids`]: device IDs (GPU UUID + kind + index; stable, ≤ 63 characters), and the id
+//!   types state is keyed by (allocation id, pod UID, container, pod);
 //! - [`placement`]: GetPreferredAllocation and Allocate validation;
 //! - [`allocation`]: what Allocate answers and what PreStartContainer finishes;
 //! - [`assign`]: following the scheduler: the pod being admitted, its assigned GPUs, the

@@ -14,6 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::allocation::Allocation;
+use crate::ids::AllocationId;
 use crate::watchdog::{ComputeWatch, Key, MemoryWatch, Over};
 
 /// An allocation is not collected before its container had time to start (seconds).
@@ -88,7 +89,7 @@ pub enum Event {
     NothingWanted,
     /// [`Step::Tend`] is done: these allocations are started (the watchdogs forget the
     /// others).
-    Tended { started: Vec<String> },
+    Tended { started: Vec<AllocationId> },
     /// [`Step::WatchMemory`] is done: the container GPUs over their quota this round
     /// ([`crate::watchdog::violations`]).
     MemoryRead { over: Vec<Over> },
@@ -300,12 +301,12 @@ impl Rounds {
         };
     }
 
-    fn forget_all_but(&mut self, started: &BTreeSet<String>) {
+    fn forget_all_but(&mut self, started: &BTreeSet<AllocationId>) {
         self.memory_violations
-            .retain(|(id, _), _| started.contains(id));
+            .retain(|k, _| started.contains(&k.alloc));
         self.compute_violations
-            .retain(|(id, _), _| started.contains(id));
-        self.compute.retain(|(id, _)| started.contains(id));
+            .retain(|k, _| started.contains(&k.alloc));
+        self.compute.retain(|k| started.contains(&k.alloc));
     }
 
     fn memory_verdicts(&mut self, over: Vec<Over>) -> Vec<Verdict> {
@@ -358,7 +359,7 @@ pub fn collectable<'a>(
     allocations: impl IntoIterator<Item = &'a Allocation>,
     held: &dyn Fn(&str) -> bool,
     now_unix_s: u64,
-) -> Vec<String> {
+) -> Vec<AllocationId> {
     allocations
         .into_iter()
         .filter(|a| {
@@ -371,21 +372,21 @@ pub fn collectable<'a>(
 /// The allocations whose region could not be used, so that each episode is logged once:
 /// when it begins and when it ends.
 #[derive(Debug, Default)]
-pub struct Faults(BTreeSet<String>);
+pub struct Faults(BTreeSet<AllocationId>);
 
 impl Faults {
     /// Allocation `id`'s region failed; whether this begins an episode (log it).
-    pub fn failed(&mut self, id: &str) -> bool {
-        self.0.insert(id.to_string())
+    pub fn failed(&mut self, id: &AllocationId) -> bool {
+        self.0.insert(id.clone())
     }
 
     /// Allocation `id`'s region read; whether this ends an episode (log it).
-    pub fn read(&mut self, id: &str) -> bool {
+    pub fn read(&mut self, id: &AllocationId) -> bool {
         self.0.remove(id)
     }
 
     /// Forget allocations that are gone.
-    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+    pub fn retain(&mut self, keep: impl Fn(&AllocationId) -> bool) {
         self.0.retain(|id| keep(id));
     }
 }

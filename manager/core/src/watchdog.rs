@@ -16,9 +16,21 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::allocation::Allocation;
+use crate::ids::AllocationId;
 
-/// What the rules watch: (allocation, GPU of the allocation).
-pub type Key = (String, usize);
+/// What the rules watch: one container GPU, an allocation's GPU `gpu` (the index among the
+/// allocation's GPUs).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key {
+    pub alloc: AllocationId,
+    pub gpu: usize,
+}
+
+impl Key {
+    pub fn new(alloc: AllocationId, gpu: usize) -> Self {
+        Key { alloc, gpu }
+    }
+}
 
 /// A container GPU over its memory quota by the driver's account.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,14 +61,14 @@ pub fn compute_limit(a: &Allocation) -> Option<u32> {
 /// container GPU and each one's quota (`None`: not watched).
 pub fn violations(
     usage: &BTreeMap<Key, u64>,
-    quota: &dyn Fn(&str, usize) -> Option<u64>,
+    quota: &dyn Fn(&AllocationId, usize) -> Option<u64>,
 ) -> Vec<Over> {
     usage
         .iter()
-        .filter_map(|((a, g), &used)| {
-            let quota = quota(a, *g)?;
+        .filter_map(|(key, &used)| {
+            let quota = quota(&key.alloc, key.gpu)?;
             (used > quota).then(|| Over {
-                key: (a.clone(), *g),
+                key: key.clone(),
                 used,
                 quota,
             })
@@ -142,12 +154,12 @@ mod tests {
     use proptest::prelude::*;
 
     fn key() -> Key {
-        ("a1".into(), 0)
+        Key::new("a1".into(), 0)
     }
 
     fn over(id: &str, used: u64) -> Over {
         Over {
-            key: (id.into(), 0),
+            key: Key::new(id.into(), 0),
             used,
             quota: 4 << 30,
         }
@@ -156,12 +168,12 @@ mod tests {
     #[test]
     fn usage_over_quota_is_a_violation() {
         let usage: BTreeMap<Key, u64> = [
-            (("a1".to_string(), 0), 5 << 30),
-            (("a2".to_string(), 0), 1 << 30),
-            (("a3".to_string(), 0), 9 << 30),
+            (Key::new("a1".into(), 0), 5 << 30),
+            (Key::new("a2".into(), 0), 1 << 30),
+            (Key::new("a3".into(), 0), 9 << 30),
         ]
         .into();
-        let q = |id: &str, _| match id {
+        let q = |id: &AllocationId, _| match id.as_str() {
             "a1" => Some(4 << 30),
             "a2" => Some(2 << 30),
             _ => None,
@@ -255,16 +267,22 @@ mod tests {
         let mut w = ComputeWatch::new(1_000, 0);
         let mut flagged = [0, 0];
         for t in 0..20 {
-            flagged[0] += usize::from(w.observe(("a".into(), 0), t * 100, 90, 50).is_some());
-            flagged[1] += usize::from(w.observe(("a".into(), 1), t * 100, 10, 50).is_some());
+            flagged[0] += usize::from(
+                w.observe(Key::new("a".into(), 0), t * 100, 90, 50)
+                    .is_some(),
+            );
+            flagged[1] += usize::from(
+                w.observe(Key::new("a".into(), 1), t * 100, 10, 50)
+                    .is_some(),
+            );
         }
         assert_eq!(flagged, [2, 0], "GPU 0 once per window, GPU 1 never");
         for t in 20..29 {
-            w.observe(("a".into(), 0), t * 100, 90, 50);
+            w.observe(Key::new("a".into(), 0), t * 100, 90, 50);
         }
-        w.retain(|k| k.1 == 1);
+        w.retain(|k| k.gpu == 1);
         assert_eq!(
-            w.observe(("a".into(), 0), 2_900, 90, 50),
+            w.observe(Key::new("a".into(), 0), 2_900, 90, 50),
             None,
             "forgotten: starts over"
         );
@@ -284,7 +302,7 @@ mod tests {
                 let flagged: BTreeSet<u8> = w
                     .observe(over)
                     .iter()
-                    .map(|o| o.key.0.parse().unwrap())
+                    .map(|o| o.key.alloc.as_str().parse().unwrap())
                     .collect();
                 let expected: BTreeSet<u8> = ids.intersection(&before).copied().collect();
                 prop_assert_eq!(flagged, expected);

@@ -21,7 +21,7 @@ fn alloc(id: &str, percent: u32, created: u64, cores: &[&str]) -> Allocation {
 
 fn over(id: &str) -> Over {
     Over {
-        key: (id.into(), 0),
+        key: Key::new(id.into(), 0),
         used: 5 << 30,
         quota: 4 << 30,
     }
@@ -204,7 +204,7 @@ fn to_memory(r: &mut Rounds, now_ms: &mut u64, started: &[&str], over: Vec<Over>
             step: Step::Tend
         }
     );
-    let started = started.iter().map(|s| s.to_string()).collect();
+    let started = started.iter().map(|&s| AllocationId::from(s)).collect();
     r.step(Event::Tended { started });
     r.step(Event::MemoryRead { over })
 }
@@ -251,7 +251,10 @@ fn memory_over_the_quota_is_acted_on_only_the_second_round_in_a_row() {
     );
     let a = r.action();
     finish_round(&mut r, &mut now, a);
-    assert_eq!(r.memory_violations().get(&("a1".into(), 0)), Some(&1));
+    assert_eq!(
+        r.memory_violations().get(&Key::new("a1".into(), 0)),
+        Some(&1)
+    );
     let a = to_memory(&mut r, &mut now, &["a1"], vec![]);
     finish_round(&mut r, &mut now, a);
     let a = to_memory(&mut r, &mut now, &["a1"], vec![over("a1")]);
@@ -272,7 +275,7 @@ fn memory_over_the_quota_is_acted_on_only_the_second_round_in_a_row() {
 fn compute_over_the_limit_is_acted_on_once_a_window() {
     let mut r = rounds();
     let mut now = 0;
-    let key: Key = ("a1".into(), 0);
+    let key = Key::new("a1".into(), 0);
     let mut verdicts = Vec::new();
     for _ in 0..130 {
         let a = to_memory(&mut r, &mut now, &["a1"], vec![]);
@@ -358,23 +361,30 @@ fn an_allocation_is_collected_once_its_container_is_gone_after_two_minutes() {
         alloc("new-and-held", 30, 1_000, &["c5", "c2"]),
     ];
     let held = |c: &str| c == "c2";
-    assert_eq!(collectable(&allocs, &held, 1_100), vec!["gone".to_string()]);
+    assert_eq!(
+        collectable(&allocs, &held, 1_100),
+        vec![AllocationId::from("gone")]
+    );
     assert_eq!(
         collectable(&allocs, &held, 1_121),
-        vec!["gone".to_string(), "new-and-gone".to_string()]
+        vec![
+            AllocationId::from("gone"),
+            AllocationId::from("new-and-gone")
+        ]
     );
 }
 
 #[test]
 fn an_unusable_region_is_reported_once_until_it_reads_again() {
     let mut f = Faults::default();
-    assert!(f.failed("a1"), "reported");
-    assert!(!f.failed("a1"), "not again next round");
-    assert!(f.read("a1"), "readable again: reported");
-    assert!(!f.read("a1"));
-    assert!(f.failed("a1"), "a new episode");
-    f.retain(|id| id != "a1");
-    assert!(f.failed("a1"), "forgotten when the allocation went");
+    let a1 = AllocationId::from("a1");
+    assert!(f.failed(&a1), "reported");
+    assert!(!f.failed(&a1), "not again next round");
+    assert!(f.read(&a1), "readable again: reported");
+    assert!(!f.read(&a1));
+    assert!(f.failed(&a1), "a new episode");
+    f.retain(|id| id != &a1);
+    assert!(f.failed(&a1), "forgotten when the allocation went");
 }
 
 proptest! {
