@@ -19,7 +19,9 @@ use vcuda_manager_core::allocation::{
     answer, container_config, finish, parse_ids, plan, Allocation, Answer, DeviceError,
     FinishError, Holdings, Layout, Owner, CONTAINER_LIBRARY,
 };
-use vcuda_manager_core::assign::{actual_shape, check_assignment, AssignError, PodFacts, Shape};
+use vcuda_manager_core::assign::{
+    actual_shape, check_assignment, AssignError, Decision, PodFacts, Shape,
+};
 use vcuda_manager_core::identity;
 use vcuda_manager_core::ids::{AllocationId, ContainerRef, DeviceId, Kind, PodUid};
 use vcuda_manager_core::inventory::Inventory;
@@ -163,6 +165,29 @@ impl ClaimError {
             ClaimError::Region(_) => "region",
         }
     }
+}
+
+/// A PreStartContainer to configure ([`Core::pre_start_with`]): which devices, who the
+/// container holding them is, and what the scheduler decided for it.
+#[derive(Debug)]
+pub struct PreStart<'a> {
+    /// The resource the kubelet asks for.
+    pub kind: Kind,
+    /// Its device IDs.
+    pub ids: &'a [String],
+    /// What PodResources says the container holds; `None`: it lists no container with
+    /// these devices.
+    pub held: Option<Holdings>,
+    /// The pod UID the kubelet's checkpoint gives; `None`: the pod's (`pod`), if any.
+    pub pod_uid: Option<PodUid>,
+    /// The pod as the API server shows it: its `vcuda.io/gpu-count` decides whether a split
+    /// over GPUs is right, and its uid is the owner's when the kubelet's checkpoint named
+    /// none; `None`: no API server (a split is refused).
+    pub pod: Option<&'a PodFacts>,
+    /// The scheduler's decision for the container ([`vcuda_manager_core::assign::effective`]):
+    /// the devices must agree with it, unless this container was configured before (it was
+    /// checked then) or `pod` is `None`.
+    pub assigned: Decision,
 }
 
 /// The manager's state.
@@ -460,24 +485,27 @@ impl Core {
         held: Option<Holdings>,
         pod_uid: Option<PodUid>,
     ) -> Result<AllocationId, CoreError> {
-        self.pre_start_with(kind, ids, held, pod_uid, None, None)
+        self.pre_start_with(PreStart {
+            kind,
+            ids,
+            held,
+            pod_uid,
+            pod: None,
+            assigned: Decision::None,
+        })
     }
 
-    /// [`Core::pre_start`] with the pod as the API server shows it (`pod`): its
-    /// `vcuda.io/gpu-count` decides whether a split over GPUs is right, and its uid is the
-    /// owner's when the kubelet's checkpoint named none; `None`: no API server (a split is
-    /// refused). `assigned` is the scheduler's decision for the container
-    /// ([`vcuda_manager_core::assign::effective`]): the devices must agree with it, unless this container
-    /// was configured before (it was checked then). `None`: nothing to agree with.
-    pub fn pre_start_with(
-        &mut self,
-        kind: Kind,
-        ids: &[String],
-        held: Option<Holdings>,
-        pod_uid: Option<PodUid>,
-        pod: Option<&PodFacts>,
-        assigned: Option<Result<Vec<GpuShare>, AssignError>>,
-    ) -> Result<AllocationId, CoreError> {
+    /// [`Core::pre_start`] with the pod as the API server shows it and the scheduler's
+    /// decision ([`PreStart`]).
+    pub fn pre_start_with(&mut self, p: PreStart<'_>) -> Result<AllocationId, CoreError> {
+        let PreStart {
+            kind,
+            ids,
+            held,
+            pod_uid,
+            pod,
+            assigned,
+        } = p;
         let Some(held) = held else {
             return Err(CoreError::NotListed {
                 resource: kind.resource(&self.settings.domain),
@@ -500,14 +528,19 @@ impl Core {
             })?;
         let alloc = &self.allocs[&id];
         let same = alloc.owned_by(&held);
-        if let (Some(p), Some(assigned), false) = (pod, assigned, same) {
-            let memory = parse_ids(Kind::Memory, &held.memory)?;
-            check_assignment(
-                p,
-                &held.container,
-                &assigned?,
-                &actual_shape(alloc, &memory),
-            )?;
+        // Configured before: checked then. Otherwise the devices must agree with the decision.
+        if let (Some(p), false) = (pod, same) {
+            match assigned {
+                Decision::None => {}
+                Decision::Follow(shares) => {
+                    let memory = parse_ids(Kind::Memory, &held.memory)?;
+                    check_assignment(p, &held.container, &shares, &actual_shape(alloc, &memory))?;
+                }
+                Decision::Unreadable(e) => {
+                    parse_ids(Kind::Memory, &held.memory)?; // a malformed memory ID is told first
+                    return Err(e.into());
+                }
+            }
         }
         let gpu_count = match pod.map(|p| &p.gpu_count) {
             None => None,

@@ -12,7 +12,7 @@ use crate::podresources::PodResourcesError;
 use crate::state::Shared;
 use vcuda_cluster::GpuShare;
 use vcuda_manager_core::allocation::Holdings;
-use vcuda_manager_core::assign::{self, AssignError, Holds, PodFacts};
+use vcuda_manager_core::assign::{self, Decision, Holds, PodFacts};
 use vcuda_manager_core::ids::{ContainerRef, DeviceId, Kind};
 
 /// The GPUs (UUIDs, in PodResources' order) each container's resource is on.
@@ -138,20 +138,16 @@ impl Shared {
     /// bound), the two decisions are exchanged ([`assign::partner`]): this container's
     /// decision becomes what it holds, the other pod's becomes this one's, and the publisher
     /// writes the exchange into the Node's reservations.
-    pub async fn follow(
-        &self,
-        api: &ApiServer,
-        held: &Holdings,
-    ) -> (Option<PodFacts>, Option<Result<Vec<GpuShare>, AssignError>>) {
+    pub async fn follow(&self, api: &ApiServer, held: &Holdings) -> (Option<PodFacts>, Decision) {
         let (pod, reservations) = match api.vouched_pod(&held.namespace, &held.pod).await {
             Ok(c) => c,
             Err(e) => {
                 warn!(error = %e, "PreStartContainer without the pod's annotations (assignment and gpu-count not checked)");
-                return (None, None);
+                return (None, Decision::None);
             }
         };
         let Some(pod) = pod else {
-            return (None, None);
+            return (None, Decision::None);
         };
         let (assigned, actual) = {
             let core = self.core.lock();
@@ -161,10 +157,10 @@ impl Shared {
                 reservations.as_ref(),
                 &core.overrides,
             )
-            .transpose();
+            .into();
             (assigned, core.unchecked_shape(held))
         };
-        let (Some(Ok(x_assigned)), Some(actual)) = (&assigned, actual) else {
+        let (Decision::Follow(x_assigned), Some(actual)) = (&assigned, actual) else {
             return (Some(pod), assigned);
         };
         if assign::shape(x_assigned) == actual {
@@ -234,6 +230,6 @@ impl Shared {
         let y_uid = y.uid.clone();
         core.overrides.insert(y_uid, x_assigned.clone());
         core.changed.notify_one();
-        (Some(pod), Some(Ok(mine)))
+        (Some(pod), Decision::Follow(mine))
     }
 }

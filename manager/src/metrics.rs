@@ -16,7 +16,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
-use vcuda_contract::view::View;
+use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, View};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GpuLabels {
@@ -106,126 +106,80 @@ const MIB: f64 = (1u64 << 20) as f64;
 pub fn encode(v: &View, node: &str) -> String {
     let mut root = Registry::default();
     let r = root.sub_registry_with_prefix("vcuda");
-    let gpu_total = family::<Gauge, GpuLabels>(
+    gpu_families(r, v);
+    container_gauges(r, v);
+    container_counters(r, v);
+    compat_families(&mut root, v, node);
+    let mut out = String::new();
+    if prometheus_client::encoding::text::encode(&mut out, &root).is_err() {
+        out.push_str("# EOF\n");
+    }
+    out
+}
+
+/// `vcuda_gpu_*`: one series per GPU.
+fn gpu_families(r: &mut Registry, v: &View) {
+    let gauge = |r: &mut Registry, name, help, unit, value: fn(&GpuView) -> Option<i64>| {
+        let f = family::<Gauge, GpuLabels>(r, name, help, unit);
+        for g in &v.gpus {
+            if let Some(x) = value(g) {
+                let l = GpuLabels {
+                    gpu: g.index.to_string(),
+                    uuid: g.uuid.clone(),
+                };
+                f.get_or_create(&l).set(x);
+            }
+        }
+    };
+    let bytes = Some(Unit::Bytes);
+    gauge(
         r,
         "gpu_memory",
         "Device memory of the GPU",
-        Some(Unit::Bytes),
+        bytes.clone(),
+        |g| Some(int(g.memory_total_bytes)),
     );
-    let gpu_used = family::<Gauge, GpuLabels>(
+    gauge(
         r,
         "gpu_memory_used",
         "Device memory in use on the GPU, as the driver reports it (every process)",
-        Some(Unit::Bytes),
+        bytes.clone(),
+        |g| Some(int(g.memory_used_bytes)),
     );
-    let gpu_util = family::<Gauge, GpuLabels>(
+    gauge(
         r,
         "gpu_utilization_percent",
         "The driver's GPU utilization over its last sample period, percent",
         None,
+        |g| g.utilization_percent.map(i64::from),
     );
-    let gpu_healthy = family::<Gauge, GpuLabels>(
+    gauge(
         r,
         "gpu_healthy",
         "1 while the GPU is advertised healthy to the kubelet, 0 after a fatal XID",
         None,
+        |g| Some(i64::from(g.healthy)),
     );
-    let gpu_core = family::<Gauge, GpuLabels>(
+    gauge(
         r,
         "gpu_core_allocated_percent",
         "Compute shares allocated on the GPU, percent (a whole GPU counts 100)",
         None,
+        |g| Some(i64::from(g.core_allocated_percent)),
     );
-    let gpu_mem = family::<Gauge, GpuLabels>(
+    gauge(
         r,
         "gpu_memory_allocated",
         "Memory quotas allocated on the GPU (a whole GPU counts its memory)",
-        Some(Unit::Bytes),
+        bytes,
+        |g| Some(int(g.memory_allocated_bytes)),
     );
-    for g in &v.gpus {
-        let l = GpuLabels {
-            gpu: g.index.to_string(),
-            uuid: g.uuid.clone(),
-        };
-        gpu_total.get_or_create(&l).set(int(g.memory_total_bytes));
-        gpu_used.get_or_create(&l).set(int(g.memory_used_bytes));
-        if let Some(u) = g.utilization_percent {
-            gpu_util.get_or_create(&l).set(i64::from(u));
-        }
-        gpu_healthy.get_or_create(&l).set(i64::from(g.healthy));
-        gpu_core
-            .get_or_create(&l)
-            .set(i64::from(g.core_allocated_percent));
-        gpu_mem.get_or_create(&l).set(int(g.memory_allocated_bytes));
-    }
-    let share = family::<Gauge, ContainerLabels>(
-        r,
-        "container_core_share_percent",
-        "The container's guaranteed compute share of the GPU, percent (100: whole GPU)",
-        None,
-    );
-    let limit = family::<Gauge, ContainerLabels>(
-        r,
-        "container_core_limit_percent",
-        "The container's compute upper bound, percent (= the share unless elastic)",
-        None,
-    );
-    let util = family::<Gauge, ContainerLabels>(
-        r,
-        "container_utilization_percent",
-        "Utilization of the GPU by the container's processes in the driver's last samples, percent",
-        None,
-    );
-    let quota = family::<Gauge, ContainerLabels>(
-        r,
-        "container_memory_quota",
-        "The container's device-memory quota on the GPU",
-        Some(Unit::Bytes),
-    );
-    let used = family::<Gauge, ContainerLabels>(
-        r,
-        "container_memory_used",
-        "Device memory the container's processes hold, as libvcuda accounts it",
-        Some(Unit::Bytes),
-    );
-    let driver = family::<Gauge, ContainerLabels>(
-        r,
-        "container_memory_driver",
-        "Device memory the driver (NVML) reports for the container's processes",
-        Some(Unit::Bytes),
-    );
-    let throttled = family::<Counter<f64, AtomicU64>, ContainerLabels>(
-        r,
-        "container_throttled",
-        "Time the container's processes waited in the compute limiter",
-        Some(Unit::Seconds),
-    );
-    let oom = family::<Counter, ContainerLabels>(
-        r,
-        "container_oom_refusals",
-        "Calls refused with CUDA_ERROR_OUT_OF_MEMORY for the container's quota",
-        None,
-    );
-    let accounting = family::<Counter, ContainerLabels>(
-        r,
-        "container_accounting_errors",
-        "Accounting errors libvcuda repaired in the container's usage region (a release of more than a process had counted, set back to zero); any is a bug to report",
-        None,
-    );
-    let compute_violations = family::<Counter, ContainerLabels>(
-        r,
-        "watchdog_compute_violations",
-        "Rounds in which the container's driver-reported utilization, averaged over the watchdog's window, exceeded its limit by more than the margin (a process bypassing libvcuda), since the manager started",
-        None,
-    );
-    let violations = family::<Counter, ContainerLabels>(
-        r,
-        "watchdog_violations",
-        "Rounds in which the driver reported more memory for the container than its quota (a process bypassing libvcuda), since the manager started",
-        None,
-    );
-    for c in &v.containers {
-        for g in &c.gpus {
+}
+
+/// Each container's GPUs, labelled.
+fn container_series(v: &View) -> impl Iterator<Item = (ContainerLabels, &ContainerGpuView)> {
+    v.containers.iter().flat_map(|c| {
+        c.gpus.iter().map(move |g| {
             let l = ContainerLabels {
                 namespace: c.namespace.clone(),
                 pod: c.pod.clone(),
@@ -233,57 +187,205 @@ pub fn encode(v: &View, node: &str) -> String {
                 gpu: g.index.to_string(),
                 uuid: g.uuid.clone(),
             };
-            share.get_or_create(&l).set(i64::from(g.core_share_percent));
-            limit.get_or_create(&l).set(i64::from(g.core_limit_percent));
-            if let Some(u) = g.utilization_percent {
-                util.get_or_create(&l).set(i64::from(u));
+            (l, g)
+        })
+    })
+}
+
+/// The `vcuda_container_*` gauges: one series per container and GPU (no utilization series
+/// without a sample).
+fn container_gauges(r: &mut Registry, v: &View) {
+    let gauge =
+        |r: &mut Registry, name, help, unit, value: fn(&ContainerGpuView) -> Option<i64>| {
+            let f = family::<Gauge, ContainerLabels>(r, name, help, unit);
+            for (l, g) in container_series(v) {
+                if let Some(x) = value(g) {
+                    f.get_or_create(&l).set(x);
+                }
             }
-            quota.get_or_create(&l).set(int(g.memory_quota_bytes));
-            used.get_or_create(&l).set(int(g.memory_used_bytes));
-            driver.get_or_create(&l).set(int(g.memory_driver_bytes));
-            throttled
-                .get_or_create(&l)
-                .inc_by(g.throttled_ns as f64 / 1e9);
-            oom.get_or_create(&l).inc_by(g.oom_refusals);
-            accounting.get_or_create(&l).inc_by(g.accounting_errors);
-            violations.get_or_create(&l).inc_by(g.watchdog_violations);
-            compute_violations
-                .get_or_create(&l)
-                .inc_by(g.watchdog_compute_violations);
+        };
+    let bytes = Some(Unit::Bytes);
+    gauge(
+        r,
+        "container_core_share_percent",
+        "The container's guaranteed compute share of the GPU, percent (100: whole GPU)",
+        None,
+        |g| Some(i64::from(g.core_share_percent)),
+    );
+    gauge(
+        r,
+        "container_core_limit_percent",
+        "The container's compute upper bound, percent (= the share unless elastic)",
+        None,
+        |g| Some(i64::from(g.core_limit_percent)),
+    );
+    gauge(
+        r,
+        "container_utilization_percent",
+        "Utilization of the GPU by the container's processes in the driver's last samples, percent",
+        None,
+        |g| g.utilization_percent.map(i64::from),
+    );
+    gauge(
+        r,
+        "container_memory_quota",
+        "The container's device-memory quota on the GPU",
+        bytes.clone(),
+        |g| Some(int(g.memory_quota_bytes)),
+    );
+    gauge(
+        r,
+        "container_memory_used",
+        "Device memory the container's processes hold, as libvcuda accounts it",
+        bytes.clone(),
+        |g| Some(int(g.memory_used_bytes)),
+    );
+    gauge(
+        r,
+        "container_memory_driver",
+        "Device memory the driver (NVML) reports for the container's processes",
+        bytes,
+        |g| Some(int(g.memory_driver_bytes)),
+    );
+}
+
+/// The per-container counters (`vcuda_container_*` and `vcuda_watchdog_*`): one series per
+/// container and GPU.
+fn container_counters(r: &mut Registry, v: &View) {
+    let throttled = family::<Counter<f64, AtomicU64>, ContainerLabels>(
+        r,
+        "container_throttled",
+        "Time the container's processes waited in the compute limiter",
+        Some(Unit::Seconds),
+    );
+    for (l, g) in container_series(v) {
+        throttled
+            .get_or_create(&l)
+            .inc_by(g.throttled_ns as f64 / 1e9);
+    }
+    let counter = |r: &mut Registry, name, help, value: fn(&ContainerGpuView) -> u64| {
+        let f = family::<Counter, ContainerLabels>(r, name, help, None);
+        for (l, g) in container_series(v) {
+            f.get_or_create(&l).inc_by(value(g));
+        }
+    };
+    counter(
+        r,
+        "container_oom_refusals",
+        "Calls refused with CUDA_ERROR_OUT_OF_MEMORY for the container's quota",
+        |g| g.oom_refusals,
+    );
+    counter(
+        r,
+        "container_accounting_errors",
+        "Accounting errors libvcuda repaired in the container's usage region (a release of more than a process had counted, set back to zero); any is a bug to report",
+        |g| g.accounting_errors,
+    );
+    counter(
+        r,
+        "watchdog_compute_violations",
+        "Rounds in which the container's driver-reported utilization, averaged over the watchdog's window, exceeded its limit by more than the margin (a process bypassing libvcuda), since the manager started",
+        |g| g.watchdog_compute_violations,
+    );
+    counter(
+        r,
+        "watchdog_violations",
+        "Rounds in which the driver reported more memory for the container than its quota (a process bypassing libvcuda), since the manager started",
+        |g| g.watchdog_violations,
+    );
+}
+
+/// gpu-manager's four metrics, with its names and labels.
+struct Compat {
+    util: Family<CompatUtil, FloatGauge>,
+    memory: Family<CompatMemory, FloatGauge>,
+    request_util: Family<CompatRequestUtil, FloatGauge>,
+    request_memory: Family<CompatRequestMemory, FloatGauge>,
+}
+
+impl Compat {
+    fn register(r: &mut Registry) -> Self {
+        Compat {
+            util: family(r, "container_gpu_utilization", "gpu utilization", None),
+            memory: family(
+                r,
+                "container_gpu_memory_total",
+                "gpu memory usage in MiB",
+                None,
+            ),
+            request_util: family(
+                r,
+                "container_request_gpu_utilization",
+                "request of gpu utilization",
+                None,
+            ),
+            request_memory: family(
+                r,
+                "container_request_gpu_memory",
+                "request of gpu memory in MiB",
+                None,
+            ),
+        }
+    }
+}
+
+/// gpu-manager's labels for one container: whose series it is, on `node`.
+struct Who<'a> {
+    c: &'a ContainerView,
+    node: &'a str,
+}
+
+impl Who<'_> {
+    fn util(&self, gpu: String) -> CompatUtil {
+        CompatUtil {
+            namespace: self.c.namespace.clone(),
+            pod_name: self.c.pod.clone(),
+            container_name: self.c.container.clone(),
+            node: self.node.to_string(),
+            gpu,
         }
     }
 
-    // gpu-manager's names and labels: utilization in percent and memory in MiB, per GPU
-    // (`gpu<N>`) and in total; the request as a fraction of a GPU and in MiB.
-    let r = &mut root;
-    let c_util =
-        family::<FloatGauge, CompatUtil>(r, "container_gpu_utilization", "gpu utilization", None);
-    let c_mem = family::<FloatGauge, CompatMemory>(
-        r,
-        "container_gpu_memory_total",
-        "gpu memory usage in MiB",
-        None,
-    );
-    let c_req_util = family::<FloatGauge, CompatRequestUtil>(
-        r,
-        "container_request_gpu_utilization",
-        "request of gpu utilization",
-        None,
-    );
-    let c_req_mem = family::<FloatGauge, CompatRequestMemory>(
-        r,
-        "container_request_gpu_memory",
-        "request of gpu memory in MiB",
-        None,
-    );
+    fn memory(&self, gpu_memory: String) -> CompatMemory {
+        let l = self.util(gpu_memory);
+        CompatMemory {
+            namespace: l.namespace,
+            pod_name: l.pod_name,
+            container_name: l.container_name,
+            node: l.node,
+            gpu_memory: l.gpu,
+        }
+    }
+
+    fn request_util(&self) -> CompatRequestUtil {
+        let l = self.util("total".into());
+        CompatRequestUtil {
+            namespace: l.namespace,
+            pod_name: l.pod_name,
+            container_name: l.container_name,
+            node: l.node,
+            req_of_gpu: l.gpu,
+        }
+    }
+
+    fn request_memory(&self) -> CompatRequestMemory {
+        let l = self.util("total".into());
+        CompatRequestMemory {
+            namespace: l.namespace,
+            pod_name: l.pod_name,
+            container_name: l.container_name,
+            node: l.node,
+            req_of_gpu_memory: l.gpu,
+        }
+    }
+}
+
+/// gpu-manager's names and labels: utilization in percent and memory in MiB, per GPU
+/// (`gpu<N>`) and in total; the request as a fraction of a GPU and in MiB.
+fn compat_families(r: &mut Registry, v: &View, node: &str) {
+    let f = Compat::register(r);
     for c in &v.containers {
-        let who = |gpu: String| CompatUtil {
-            namespace: c.namespace.clone(),
-            pod_name: c.pod.clone(),
-            container_name: c.container.clone(),
-            node: node.to_string(),
-            gpu,
-        };
+        let who = Who { c, node };
         let mut total_util = 0.0;
         let mut total_mem = 0.0;
         let mut req_util = 0.0;
@@ -291,58 +393,30 @@ pub fn encode(v: &View, node: &str) -> String {
         for g in &c.gpus {
             let u = f64::from(g.utilization_percent.unwrap_or(0));
             let m = g.memory_used_bytes as f64 / MIB;
-            c_util.get_or_create(&who(format!("gpu{}", g.index))).set(u);
-            let l = who(format!("gpu{}", g.index));
-            c_mem
-                .get_or_create(&CompatMemory {
-                    namespace: l.namespace,
-                    pod_name: l.pod_name,
-                    container_name: l.container_name,
-                    node: l.node,
-                    gpu_memory: l.gpu,
-                })
+            f.util
+                .get_or_create(&who.util(format!("gpu{}", g.index)))
+                .set(u);
+            f.memory
+                .get_or_create(&who.memory(format!("gpu{}", g.index)))
                 .set(m);
             total_util += u;
             total_mem += m;
             req_util += f64::from(g.core_share_percent) / 100.0;
             req_mem += g.memory_quota_bytes as f64 / MIB;
         }
-        let t = who("total".into());
-        c_util.get_or_create(&t).set(total_util);
-        c_mem
-            .get_or_create(&CompatMemory {
-                namespace: t.namespace.clone(),
-                pod_name: t.pod_name.clone(),
-                container_name: t.container_name.clone(),
-                node: t.node.clone(),
-                gpu_memory: "total".into(),
-            })
+        f.util
+            .get_or_create(&who.util("total".into()))
+            .set(total_util);
+        f.memory
+            .get_or_create(&who.memory("total".into()))
             .set(total_mem);
-        c_req_util
-            .get_or_create(&CompatRequestUtil {
-                namespace: t.namespace.clone(),
-                pod_name: t.pod_name.clone(),
-                container_name: t.container_name.clone(),
-                node: t.node.clone(),
-                req_of_gpu: "total".into(),
-            })
+        f.request_util
+            .get_or_create(&who.request_util())
             .set(req_util);
-        c_req_mem
-            .get_or_create(&CompatRequestMemory {
-                namespace: t.namespace,
-                pod_name: t.pod_name,
-                container_name: t.container_name,
-                node: t.node,
-                req_of_gpu_memory: "total".into(),
-            })
+        f.request_memory
+            .get_or_create(&who.request_memory())
             .set(req_mem);
     }
-
-    let mut out = String::new();
-    if prometheus_client::encoding::text::encode(&mut out, &root).is_err() {
-        out.push_str("# EOF\n");
-    }
-    out
 }
 
 /// Serve `GET /metrics` on `addr` until the process ends. Returns the bound address (port 0
@@ -380,7 +454,6 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView};
 
     fn view() -> View {
         View {
@@ -421,6 +494,198 @@ mod tests {
                 processes: vec![],
             }],
         }
+    }
+
+    /// Two GPUs (one without a utilization sample) and two containers (one split over both
+    /// GPUs, one on the second GPU without samples).
+    fn two_by_two() -> View {
+        let mut v = view();
+        v.gpus.push(GpuView {
+            index: 1,
+            uuid: "GPU-b".into(),
+            name: "A100".into(),
+            memory_total_bytes: 80 << 30,
+            memory_used_bytes: 3 << 30,
+            utilization_percent: None,
+            healthy: false,
+            core_allocated_percent: 50,
+            memory_allocated_bytes: 6 << 30,
+        });
+        v.containers[0].gpus.push(ContainerGpuView {
+            index: 1,
+            uuid: "GPU-b".into(),
+            core_share_percent: 25,
+            core_limit_percent: 25,
+            utilization_percent: Some(11),
+            memory_used_bytes: 512 << 20,
+            memory_quota_bytes: 2 << 30,
+            memory_driver_bytes: 600 << 20,
+            throttled_ns: 1,
+            oom_refusals: 0,
+            accounting_errors: 0,
+            watchdog_violations: 0,
+            watchdog_compute_violations: 0,
+        });
+        v.containers.push(ContainerView {
+            namespace: "web".into(),
+            pod: "serve-0".into(),
+            container: "infer".into(),
+            allocation: "a2".into(),
+            gpus: vec![ContainerGpuView {
+                index: 1,
+                uuid: "GPU-b".into(),
+                core_share_percent: 25,
+                core_limit_percent: 100,
+                utilization_percent: None,
+                memory_used_bytes: 0,
+                memory_quota_bytes: 3 << 30,
+                memory_driver_bytes: 0,
+                throttled_ns: 0,
+                oom_refusals: 2,
+                accounting_errors: 0,
+                watchdog_violations: 1,
+                watchdog_compute_violations: 0,
+            }],
+            processes: vec![],
+        });
+        v
+    }
+
+    /// `text` with each family's samples sorted: a family keeps its series in a hash map, so
+    /// their order differs from one process to the next; the rest is compared as it is.
+    fn canonical(text: &str) -> Vec<&str> {
+        let mut out = Vec::new();
+        let mut samples: Vec<&str> = Vec::new();
+        for line in text.lines() {
+            if line.starts_with('#') {
+                samples.sort_unstable();
+                out.append(&mut samples);
+                out.push(line);
+            } else {
+                samples.push(line);
+            }
+        }
+        samples.sort_unstable();
+        out.append(&mut samples);
+        out
+    }
+
+    /// The whole text for two GPUs and two containers, as `encode` wrote it before it was
+    /// split into one function per group of families (samples sorted within a family).
+    const TWO_BY_TWO: &str = r##"# HELP container_gpu_utilization gpu utilization.
+# TYPE container_gpu_utilization gauge
+container_gpu_utilization{namespace="ml",pod_name="train",container_name="main",node="node-1",gpu="gpu0"} 29.0
+container_gpu_utilization{namespace="ml",pod_name="train",container_name="main",node="node-1",gpu="gpu1"} 11.0
+container_gpu_utilization{namespace="ml",pod_name="train",container_name="main",node="node-1",gpu="total"} 40.0
+container_gpu_utilization{namespace="web",pod_name="serve-0",container_name="infer",node="node-1",gpu="gpu1"} 0.0
+container_gpu_utilization{namespace="web",pod_name="serve-0",container_name="infer",node="node-1",gpu="total"} 0.0
+# HELP container_gpu_memory_total gpu memory usage in MiB.
+# TYPE container_gpu_memory_total gauge
+container_gpu_memory_total{namespace="ml",pod_name="train",container_name="main",node="node-1",gpu_memory="gpu0"} 1024.0
+container_gpu_memory_total{namespace="ml",pod_name="train",container_name="main",node="node-1",gpu_memory="gpu1"} 512.0
+container_gpu_memory_total{namespace="ml",pod_name="train",container_name="main",node="node-1",gpu_memory="total"} 1536.0
+container_gpu_memory_total{namespace="web",pod_name="serve-0",container_name="infer",node="node-1",gpu_memory="gpu1"} 0.0
+container_gpu_memory_total{namespace="web",pod_name="serve-0",container_name="infer",node="node-1",gpu_memory="total"} 0.0
+# HELP container_request_gpu_utilization request of gpu utilization.
+# TYPE container_request_gpu_utilization gauge
+container_request_gpu_utilization{namespace="ml",pod_name="train",container_name="main",node="node-1",req_of_gpu="total"} 0.55
+container_request_gpu_utilization{namespace="web",pod_name="serve-0",container_name="infer",node="node-1",req_of_gpu="total"} 0.25
+# HELP container_request_gpu_memory request of gpu memory in MiB.
+# TYPE container_request_gpu_memory gauge
+container_request_gpu_memory{namespace="ml",pod_name="train",container_name="main",node="node-1",req_of_gpu_memory="total"} 6144.0
+container_request_gpu_memory{namespace="web",pod_name="serve-0",container_name="infer",node="node-1",req_of_gpu_memory="total"} 3072.0
+# HELP vcuda_gpu_memory_bytes Device memory of the GPU.
+# TYPE vcuda_gpu_memory_bytes gauge
+# UNIT vcuda_gpu_memory_bytes bytes
+vcuda_gpu_memory_bytes{gpu="0",uuid="GPU-a"} 42949672960
+vcuda_gpu_memory_bytes{gpu="1",uuid="GPU-b"} 85899345920
+# HELP vcuda_gpu_memory_used_bytes Device memory in use on the GPU, as the driver reports it (every process).
+# TYPE vcuda_gpu_memory_used_bytes gauge
+# UNIT vcuda_gpu_memory_used_bytes bytes
+vcuda_gpu_memory_used_bytes{gpu="0",uuid="GPU-a"} 6442450944
+vcuda_gpu_memory_used_bytes{gpu="1",uuid="GPU-b"} 3221225472
+# HELP vcuda_gpu_utilization_percent The driver's GPU utilization over its last sample period, percent.
+# TYPE vcuda_gpu_utilization_percent gauge
+vcuda_gpu_utilization_percent{gpu="0",uuid="GPU-a"} 95
+# HELP vcuda_gpu_healthy 1 while the GPU is advertised healthy to the kubelet, 0 after a fatal XID.
+# TYPE vcuda_gpu_healthy gauge
+vcuda_gpu_healthy{gpu="0",uuid="GPU-a"} 1
+vcuda_gpu_healthy{gpu="1",uuid="GPU-b"} 0
+# HELP vcuda_gpu_core_allocated_percent Compute shares allocated on the GPU, percent (a whole GPU counts 100).
+# TYPE vcuda_gpu_core_allocated_percent gauge
+vcuda_gpu_core_allocated_percent{gpu="0",uuid="GPU-a"} 100
+vcuda_gpu_core_allocated_percent{gpu="1",uuid="GPU-b"} 50
+# HELP vcuda_gpu_memory_allocated_bytes Memory quotas allocated on the GPU (a whole GPU counts its memory).
+# TYPE vcuda_gpu_memory_allocated_bytes gauge
+# UNIT vcuda_gpu_memory_allocated_bytes bytes
+vcuda_gpu_memory_allocated_bytes{gpu="0",uuid="GPU-a"} 12884901888
+vcuda_gpu_memory_allocated_bytes{gpu="1",uuid="GPU-b"} 6442450944
+# HELP vcuda_container_core_share_percent The container's guaranteed compute share of the GPU, percent (100: whole GPU).
+# TYPE vcuda_container_core_share_percent gauge
+vcuda_container_core_share_percent{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 30
+vcuda_container_core_share_percent{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 25
+vcuda_container_core_share_percent{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 25
+# HELP vcuda_container_core_limit_percent The container's compute upper bound, percent (= the share unless elastic).
+# TYPE vcuda_container_core_limit_percent gauge
+vcuda_container_core_limit_percent{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 60
+vcuda_container_core_limit_percent{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 25
+vcuda_container_core_limit_percent{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 100
+# HELP vcuda_container_utilization_percent Utilization of the GPU by the container's processes in the driver's last samples, percent.
+# TYPE vcuda_container_utilization_percent gauge
+vcuda_container_utilization_percent{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 29
+vcuda_container_utilization_percent{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 11
+# HELP vcuda_container_memory_quota_bytes The container's device-memory quota on the GPU.
+# TYPE vcuda_container_memory_quota_bytes gauge
+# UNIT vcuda_container_memory_quota_bytes bytes
+vcuda_container_memory_quota_bytes{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 4294967296
+vcuda_container_memory_quota_bytes{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 2147483648
+vcuda_container_memory_quota_bytes{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 3221225472
+# HELP vcuda_container_memory_used_bytes Device memory the container's processes hold, as libvcuda accounts it.
+# TYPE vcuda_container_memory_used_bytes gauge
+# UNIT vcuda_container_memory_used_bytes bytes
+vcuda_container_memory_used_bytes{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 1073741824
+vcuda_container_memory_used_bytes{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 536870912
+vcuda_container_memory_used_bytes{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 0
+# HELP vcuda_container_memory_driver_bytes Device memory the driver (NVML) reports for the container's processes.
+# TYPE vcuda_container_memory_driver_bytes gauge
+# UNIT vcuda_container_memory_driver_bytes bytes
+vcuda_container_memory_driver_bytes{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 5368709120
+vcuda_container_memory_driver_bytes{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 629145600
+vcuda_container_memory_driver_bytes{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 0
+# HELP vcuda_container_throttled_seconds Time the container's processes waited in the compute limiter.
+# TYPE vcuda_container_throttled_seconds counter
+# UNIT vcuda_container_throttled_seconds seconds
+vcuda_container_throttled_seconds_total{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 2.5
+vcuda_container_throttled_seconds_total{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 1e-9
+vcuda_container_throttled_seconds_total{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 0.0
+# HELP vcuda_container_oom_refusals Calls refused with CUDA_ERROR_OUT_OF_MEMORY for the container's quota.
+# TYPE vcuda_container_oom_refusals counter
+vcuda_container_oom_refusals_total{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 7
+vcuda_container_oom_refusals_total{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 0
+vcuda_container_oom_refusals_total{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 2
+# HELP vcuda_container_accounting_errors Accounting errors libvcuda repaired in the container's usage region (a release of more than a process had counted, set back to zero); any is a bug to report.
+# TYPE vcuda_container_accounting_errors counter
+vcuda_container_accounting_errors_total{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 1
+vcuda_container_accounting_errors_total{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 0
+vcuda_container_accounting_errors_total{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 0
+# HELP vcuda_watchdog_compute_violations Rounds in which the container's driver-reported utilization, averaged over the watchdog's window, exceeded its limit by more than the margin (a process bypassing libvcuda), since the manager started.
+# TYPE vcuda_watchdog_compute_violations counter
+vcuda_watchdog_compute_violations_total{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 2
+vcuda_watchdog_compute_violations_total{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 0
+vcuda_watchdog_compute_violations_total{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 0
+# HELP vcuda_watchdog_violations Rounds in which the driver reported more memory for the container than its quota (a process bypassing libvcuda), since the manager started.
+# TYPE vcuda_watchdog_violations counter
+vcuda_watchdog_violations_total{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"} 3
+vcuda_watchdog_violations_total{namespace="ml",pod="train",container="main",gpu="1",uuid="GPU-b"} 0
+vcuda_watchdog_violations_total{namespace="web",pod="serve-0",container="infer",gpu="1",uuid="GPU-b"} 1
+# EOF
+"##;
+
+    #[test]
+    fn the_whole_text_is_pinned() {
+        let text = encode(&two_by_two(), "node-1");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert_eq!(canonical(&text), canonical(TWO_BY_TWO), "{text}");
     }
 
     #[test]

@@ -13,10 +13,11 @@ use tracing::{info, warn};
 use vcuda_proto::deviceplugin::v1beta1 as dp;
 
 use crate::backend::{Backend, DeviceStream};
-use crate::core::{Core, CoreError};
+use crate::core::{Core, CoreError, PreStart};
 use crate::podresources::PodResourcesError;
 use crate::state::Shared;
 use vcuda_manager_core::allocation::Answer;
+use vcuda_manager_core::assign::Decision;
 use vcuda_manager_core::ids::{all_ids, Kind};
 
 /// The two RPCs that can refuse a container.
@@ -228,16 +229,16 @@ impl Backend for Shares {
         }
         let (pod, assigned) = match (&self.shared.api, &held) {
             (Some(api), Some(h)) => self.shared.follow(api, h).await,
-            _ => (None, None),
+            _ => (None, Decision::None),
         };
-        let res = self.shared.core.lock().pre_start_with(
-            self.kind,
-            &ids,
+        let res = self.shared.core.lock().pre_start_with(PreStart {
+            kind: self.kind,
+            ids: &ids,
             held,
-            None,
-            pod.as_ref(),
+            pod_uid: None,
+            pod: pod.as_ref(),
             assigned,
-        );
+        });
         match res {
             Ok(id) => {
                 info!(allocation = %id, container = who.as_deref().unwrap_or("?"), us = t0.elapsed().as_micros() as u64, "container configured");

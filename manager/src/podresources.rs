@@ -10,10 +10,11 @@ use tonic::Status;
 use tracing::info;
 use vcuda_proto::podresources::v1 as pr;
 
+use crate::core::PreStart;
 use crate::state::Shared;
 use vcuda_cluster::Reservations;
 use vcuda_manager_core::allocation::Holdings;
-use vcuda_manager_core::assign::{self, PodFacts};
+use vcuda_manager_core::assign::{self, Decision, PodFacts};
 use vcuda_manager_core::ids::Kind;
 
 /// The kubelet's PodResources API did not answer a `List`.
@@ -177,16 +178,24 @@ impl Shared {
                 continue; // bound after the list: PreStartContainer reads it
             }
             let pod = pod.flatten();
-            let assigned = pod.and_then(|p| {
+            let assigned = pod.map_or(Decision::None, |p| {
                 assign::effective(
                     p,
                     &held.container,
                     cluster.and_then(|c| c.1),
                     &core.overrides,
                 )
-                .transpose()
+                .into()
             });
-            match core.pre_start_with(Kind::Core, &cores, Some(held), None, pod, assigned) {
+            let start = PreStart {
+                kind: Kind::Core,
+                ids: &cores,
+                held: Some(held),
+                pod_uid: None,
+                pod,
+                assigned,
+            };
+            match core.pre_start_with(start) {
                 Ok(id) => {
                     info!(allocation = %id, container = %who, "container configured ahead of PreStartContainer")
                 }

@@ -459,6 +459,29 @@ pub fn effective(
     Ok(Some(shares.clone()))
 }
 
+/// The scheduler's decision for a container, as PreStartContainer checks the container's
+/// devices against it (from [`effective`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Nothing to agree with: no API server or pod to ask, or the pod has no assignment.
+    None,
+    /// The shares the container's devices must agree with.
+    Follow(Vec<GpuShare>),
+    /// The pod's assignment cannot be followed (not readable, or no entry for the
+    /// container): refused unless the container was configured before.
+    Unreadable(AssignError),
+}
+
+impl From<Result<Option<Vec<GpuShare>>, AssignError>> for Decision {
+    fn from(effective: Result<Option<Vec<GpuShare>>, AssignError>) -> Self {
+        match effective {
+            Ok(None) => Decision::None,
+            Ok(Some(shares)) => Decision::Follow(shares),
+            Err(e) => Decision::Unreadable(e),
+        }
+    }
+}
+
 /// Per GPU: (core %, memory bytes); a whole GPU is (100, 0), its memory being the GPU's.
 pub type Shape = BTreeMap<String, (u32, u64)>;
 
@@ -992,6 +1015,25 @@ mod tests {
             effective(&two, "c", Some(&res), &o),
             Ok(Some(vec![share(A)]))
         );
+    }
+
+    #[test]
+    fn the_decision_to_check_against_is_named() {
+        let mut p = pod("p", "t", &[("c", 60, 16)]);
+        let none = BTreeMap::new();
+        assert_eq!(
+            Decision::from(effective(&p, "c", None, &none)),
+            Decision::None
+        );
+        assign(&mut p, "c", &[(A, 60, 4)]);
+        let Decision::Follow(shares) = effective(&p, "c", None, &none).into() else {
+            panic!("an assignment is followed");
+        };
+        assert_eq!(shares, effective(&p, "c", None, &none).unwrap().unwrap());
+        assert!(matches!(
+            effective(&p, "other", None, &none).into(),
+            Decision::Unreadable(AssignError::NoEntry { .. })
+        ));
     }
 
     #[test]
