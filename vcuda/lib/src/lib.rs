@@ -41,18 +41,16 @@
 ///   [`ffi::catch`] (a panic returns 999, "unknown error", never unwinds into C);
 /// - a field `Real::name` holding the real library's function of that name;
 /// - an entry in this module's `HOOKS`, which `dlsym` and `cuGetProcAddress` substitute.
+///
+/// `=> impl [bypass];` (kernel launches): before anything else the shell asks
+/// [`limit::bypass`] (which never panics, starts nothing and calls no driver function). A
+/// launch admitted there tail-calls the real function with the caller's arguments untouched
+/// (no frame, no catch: nothing of ours runs after it); any other goes to `impl(args)`
+/// under the catch as above.
 macro_rules! hooks {
-    ($( $(#[$m:meta])* $lib:ident fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) -> $ret:ty => $imp:path; )*) => {
+    ($( $(#[$m:meta])* $lib:ident fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) -> $ret:ty => $imp:path $([$bypass:ident])?; )*) => {
         $(
-            $(#[$m])*
-            /// # Safety
-            /// Called from C with arguments as the official header documents them.
-            #[unsafe(no_mangle)]
-            pub unsafe extern "C" fn $name($($arg: $ty),*) -> $ret {
-                // SAFETY: the caller upholds the C API contract for these arguments, which is
-                // all the implementation relies on.
-                $crate::ffi::catch(move || unsafe { $imp($($arg),*) })
-            }
+            hook_shell!($(#[$m])* $name ($($arg: $ty),*) -> $ret => $imp $([$bypass])?);
         )*
 
         /// The real library's functions the hooks of this module wrap.
@@ -95,6 +93,46 @@ macro_rules! hooks {
                 wrapper: $name as *const (),
             }, )*
         ];
+    };
+}
+
+/// One exported shell of `hooks!` (its own macro so the optional `[bypass]` repeats apart
+/// from the arguments).
+macro_rules! hook_shell {
+    ($(#[$m:meta])* $name:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty => $imp:path) => {
+        $(#[$m])*
+        /// # Safety
+        /// Called from C with arguments as the official header documents them.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> $ret {
+            // SAFETY: the caller upholds the C API contract for these arguments, which is
+            // all the implementation relies on.
+            $crate::ffi::catch(move || unsafe { $imp($($arg),*) })
+        }
+    };
+    ($(#[$m:meta])* $name:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty => $imp:path [bypass]) => {
+        $(#[$m])*
+        /// # Safety
+        /// Called from C with arguments as the official header documents them.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> $ret {
+            // Out of line and with the shell's own signature: whichever function is chosen
+            // is tail-called with the arguments untouched, so the admitted path needs no
+            // frame.
+            #[cold]
+            #[inline(never)]
+            unsafe extern "C" fn wrapped($($arg: $ty),*) -> $ret {
+                // SAFETY: as for every hook: the caller upholds the C API contract.
+                $crate::ffi::catch(move || unsafe { $imp($($arg),*) })
+            }
+            let target = match REAL.get().and_then(|r| r.$name) {
+                Some(f) if $crate::limit::bypass() => f,
+                _ => wrapped,
+            };
+            // SAFETY: the caller's arguments, unchanged, to the real function of the same
+            // signature (C: it cannot unwind, so no catch is needed) or to our wrapper.
+            unsafe { target($($arg),*) }
+        }
     };
 }
 

@@ -4,8 +4,9 @@
 //! algorithm.
 //!
 //! **Hot path** (a launch under its share): one relaxed load of the launch's cost, one
-//! relaxed `fetch_sub` on this process's bucket. No lock, no system call, no allocation, and
-//! nothing shared with other processes. A launch that finds the bucket empty takes the slow
+//! relaxed `fetch_sub` on this process's bucket, done by [`bypass`] in the exported shell
+//! itself, which then tail-calls the driver (`hooks!`'s `[bypass]` form). No lock, no system
+//! call, no allocation, and nothing shared with other processes. A launch that finds the bucket empty takes the slow
 //! path: act on the markers the GPU reached and record one (see "markers" below), refill
 //! from the clock, and sleep (never spin) until the debt is repaid and three quarters of the
 //! bucket is earned (few wake-ups: the CPU a throttled process costs); a launch
@@ -32,12 +33,12 @@ use crate::log::{log, DEBUG, INFO, WARN};
 use crate::state::{cuda, Vcuda};
 
 hooks! {
-    Cuda fn cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_kernel;
-    Cuda fn cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_kernel_ptsz;
-    Cuda fn cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_ex;
-    Cuda fn cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_ex_ptsz;
-    Cuda fn cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) -> CUresult => launch_coop;
-    Cuda fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) -> CUresult => launch_coop_ptsz;
+    Cuda fn cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_kernel [bypass];
+    Cuda fn cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_kernel_ptsz [bypass];
+    Cuda fn cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_ex [bypass];
+    Cuda fn cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult => launch_ex_ptsz [bypass];
+    Cuda fn cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) -> CUresult => launch_coop [bypass];
+    Cuda fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) -> CUresult => launch_coop_ptsz [bypass];
     Cuda fn cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) -> CUresult => launch_coop_multi;
     Cuda fn cuLaunch(f: CUfunction) -> CUresult => launch_legacy;
     Cuda fn cuLaunchGrid(f: CUfunction, w: c_int, h: c_int) -> CUresult => launch_grid;
@@ -104,6 +105,33 @@ fn admit_on(
         stream
     };
     slow(v, dev, class, cost, stream, probe)
+}
+
+/// The kernel launches' fast path, run by their shells (`hooks!`'s `[bypass]`) before any
+/// catch or frame of ours: `true` when this launch is admitted and paid for (or not
+/// limited), and the shell tail-calls the real function. It never panics, never starts the
+/// state and calls no driver function, so it decides only for a started, unforked process
+/// that sees one GPU (two relaxed loads and a `fetch_sub`); `false` leaves the launch to the
+/// wrapper, which admits it as usual. A launch that finds the bucket empty gives its debit
+/// straight back (the bucket was empty before it, so no other launch can pass on the
+/// refund) and the wrapper's slow path pays again and waits.
+#[inline(always)]
+pub fn bypass() -> bool {
+    let Some(v) = crate::state::started_unforked() else {
+        return false;
+    };
+    let Some(dev) = v.single_dev() else {
+        return false;
+    };
+    let Some(b) = v.limiter().gpus.get(dev) else {
+        return true;
+    };
+    let cost = signed(b.cost[KERNEL].load(Relaxed));
+    if cost == 0 || b.tokens.fetch_sub(cost, Relaxed) > 0 {
+        return true;
+    }
+    b.tokens.fetch_add(cost, Relaxed);
+    false
 }
 
 /// Most the bucket holds at `rate` ([`lim::marker_capacity`]: few enough launches that the

@@ -133,6 +133,16 @@ pub fn started() -> Option<&'static Vcuda> {
     STATE.get().and_then(|s| s.as_ref().ok())
 }
 
+/// The state if it was started, GPU use is allowed and no fork is pending: what the launch
+/// bypass may act on (it never starts the state nor renews it after a fork).
+#[inline(always)]
+pub fn started_unforked() -> Option<&'static Vcuda> {
+    if FORKED.load(Relaxed) {
+        return None;
+    }
+    started()
+}
+
 /// At exit the slot is deliberately kept: the driver frees this process's device memory only
 /// as the process ends, after exit handlers run. Giving the reservation back earlier would
 /// let a peer allocate into memory that is still held. The slot is reclaimed once the
@@ -502,11 +512,18 @@ impl Vcuda {
     /// The config index of the current context's GPU, or `None` without a context.
     #[inline]
     pub fn current_dev(&self) -> Option<usize> {
-        let s = self.single.load(Relaxed);
-        if s != u64::MAX {
-            return Some(crate::conv::usize_of(s));
+        if let Some(s) = self.single_dev() {
+            return Some(s);
         }
         self.dev_of_ordinal(crate::drv::ctx_ordinal()?)
+    }
+
+    /// The config index of the one GPU the driver shows, without a driver call (`None` when
+    /// it shows several, or before `cuInit`).
+    #[inline(always)]
+    pub fn single_dev(&self) -> Option<usize> {
+        let s = self.single.load(Relaxed);
+        (s != u64::MAX).then(|| crate::conv::usize_of(s))
     }
 
     /// The CUDA ordinal of config GPU `dev`, if the driver shows it.
