@@ -103,6 +103,30 @@ def test_context_and_module_count_against_the_quota(q):
     t.check_peak()
 
 
+@pytest.mark.parametrize("teardown", ["ctxdestroy", "primary"])
+def test_what_a_torn_down_context_held_is_no_longer_counted(q, teardown):
+    """cuCtxDestroy, or cuDevicePrimaryCtxReset, frees the context's memory with no cuMemFree
+    the library sees: the books forget it, so the next context can fill the quota again,
+    and no more than the quota is ever held."""
+    t = q(1024)
+    if teardown == "primary":
+        t.sh.ok("ctxdestroy")
+        t.sh.ok("primary 0")
+        t.sh.ok(f"alloc {1024 * MiB - CONTEXT}")
+        assert t.sh.rc(f"alloc {ALLOC_GRANULE}") == OOM, "the quota is full"
+        t.sh.ok("primaryreset 0")
+        t.sh.ok("primary 0")
+    else:
+        t.sh.ok(f"alloc {t.avail}")
+        assert t.sh.rc(f"alloc {ALLOC_GRANULE}") == OOM, "the quota is full"
+        t.sh.ok("ctxdestroy")
+        t.sh.ok("ctx 0")
+    assert t.info() == (1024 * MiB - CONTEXT, 1024 * MiB)
+    t.sh.ok(f"alloc {1024 * MiB - CONTEXT}")
+    assert t.sh.rc(f"alloc {ALLOC_GRANULE}") == OOM
+    t.check_peak()
+
+
 @pytest.mark.parametrize("cmd", ["alloc", "managed"])
 def test_linear_allocation_at_under_and_over_the_quota(q, cmd):
     """cuMemAlloc_v2 / cuMemAllocManaged: one byte over is refused, exactly the rest fits

@@ -120,6 +120,12 @@ int main(void) {
             dev_ord = (int)a;
             rc = cuDevicePrimaryCtxRetain(&ctx, dev_ord);
             if (rc == CUDA_SUCCESS) rc = cuCtxSetCurrent(ctx);
+        } else if (!strcmp(cmd, "ctxdestroy")) {
+            /* the driver frees what the context held, with no cuMemFree */
+            rc = cuCtxDestroy_v2(ctx);
+            ctx = NULL;
+        } else if (!strcmp(cmd, "primaryreset")) {
+            rc = cuDevicePrimaryCtxReset_v2((int)a);
         } else if (!strcmp(cmd, "module")) {
             CUmodule m;
             rc = cuModuleLoadData(&m, PTX);

@@ -9,7 +9,7 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
-use crate::costs::{self, Cost, Meter, Update};
+use crate::costs::{self, Cost, Meter, Reading, Update};
 use crate::ffi::*;
 use crate::state::{cuda, Vcuda};
 
@@ -40,7 +40,7 @@ hooks! {
 const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 
 /// What the driver charges this process on `dev`, from NVML.
-fn driver_used(v: &Vcuda, dev: usize) -> Option<u64> {
+fn driver_used(v: &Vcuda, dev: usize) -> Option<Reading> {
     let handle = v.nvml_handle(dev)?;
     let pid = v.driver_pid();
     let mut buf = vec![nvmlProcessInfo_t::default(); 64];
@@ -66,10 +66,17 @@ fn driver_used(v: &Vcuda, dev: usize) -> Option<u64> {
         };
         match rc {
             NVML_SUCCESS => {
-                return buf[..n as usize]
-                    .iter()
-                    .find(|p| p.pid == pid)
-                    .map(|p| p.used_gpu_memory)
+                let found = buf[..n as usize].iter().find(|p| p.pid == pid);
+                return match found {
+                    Some(p) => {
+                        v.note_listed(pid);
+                        Some(Reading::Uses(p.used_gpu_memory))
+                    }
+                    // Listed before under this pid: we hold nothing on this GPU.
+                    None if v.was_listed_as(pid) => Some(Reading::Absent),
+                    // Perhaps not the driver's pid for us (yet): unknown.
+                    None => None,
+                };
             }
             NVML_ERROR_INSUFFICIENT_SIZE => {
                 buf.resize(n as usize + 16, nvmlProcessInfo_t::default())
@@ -84,7 +91,7 @@ fn driver_used(v: &Vcuda, dev: usize) -> Option<u64> {
 struct Measured<'a>(&'a Vcuda);
 
 impl Meter for Measured<'_> {
-    fn driver_used(&self, dev: usize) -> Option<u64> {
+    fn driver_used(&self, dev: usize) -> Option<Reading> {
         driver_used(self.0, dev)
     }
     fn device_free(&self, dev: usize) -> Option<u64> {
@@ -251,20 +258,7 @@ unsafe fn ctx_create_v4(
 /// After a context went away (with everything allocated in it): forget the allocations the
 /// driver freed with it and re-measure hidden memory.
 fn after_teardown(v: &Vcuda) {
-    for (ptr, rec) in v.live_allocs() {
-        let mut size: usize = 0;
-        let alive = ext!(
-            MISSING,
-            cuPointerGetAttribute(
-                (&mut size as *mut usize).cast(),
-                CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                ptr
-            )
-        ) == CUDA_SUCCESS;
-        if !alive && v.forget_alloc(ptr).is_some() && rec.kind == crate::table::Kind::Reserved {
-            v.release(rec.dev as usize, rec.size);
-        }
-    }
+    crate::quota::forget_freed(&crate::memory::RealDriver, v, &v.live_allocs());
     for a in v.arrays() {
         let mut d = CUDA_ARRAY_DESCRIPTOR {
             width: 0,

@@ -33,11 +33,22 @@ pub(crate) enum Update {
     Set,
 }
 
+/// What NVML's process list says of this process on one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reading {
+    /// Listed, charged this many bytes.
+    Uses(u64),
+    /// Not listed, under a pid NVML has listed this process by before: it holds nothing on
+    /// that GPU (its last context there went). Trusted only after a teardown: while a
+    /// context is being made NVML may not list it yet.
+    Absent,
+}
+
 /// What the driver says it charges.
 pub(crate) trait Meter {
-    /// What the driver charges this process on `dev` (NVML's per-process figure), if NVML
-    /// lists the process.
-    fn driver_used(&self, dev: usize) -> Option<u64>;
+    /// What the driver charges this process on `dev` (NVML's per-process figure); `None`
+    /// when NVML cannot say, or does not list the process under a pid it is sure of.
+    fn driver_used(&self, dev: usize) -> Option<Reading>;
     /// The device's free memory, if known (for a process NVML does not list).
     fn device_free(&self, dev: usize) -> Option<u64>;
 }
@@ -98,7 +109,11 @@ pub(crate) fn measure_hidden(
 ) -> Option<(u64, u64)> {
     for _ in 0..16 {
         let before_raw = b.api_raw(dev);
-        let used = m.driver_used(dev)?;
+        let used = match m.driver_used(dev)? {
+            Reading::Uses(u) => u,
+            Reading::Absent if how == Update::Set => 0,
+            Reading::Absent => return None,
+        };
         if b.api_raw(dev) != before_raw {
             std::thread::yield_now();
             continue;
@@ -239,8 +254,14 @@ mod tests {
     }
 
     impl Meter for FakeMeter {
-        fn driver_used(&self, _dev: usize) -> Option<u64> {
-            self.nvml.get().then(|| self.charged())
+        fn driver_used(&self, _dev: usize) -> Option<Reading> {
+            if !self.nvml.get() {
+                return None;
+            }
+            Some(match self.charged() {
+                0 => Reading::Absent,
+                n => Reading::Uses(n),
+            })
         }
         fn device_free(&self, _dev: usize) -> Option<u64> {
             Some(self.capacity - self.charged())
@@ -490,6 +511,33 @@ mod tests {
             measure_hidden(&m, &b, 0, 0, Update::Set),
             Some((350 * MIB, 300 * MIB))
         );
+    }
+
+    #[test]
+    fn after_the_last_context_went_nvml_not_listing_the_process_sets_hidden_memory_to_zero() {
+        let (m, b) = (FakeMeter::new(16 << 30), FakeCostBooks::new(2 << 30));
+        m.make(300 * MIB);
+        m.make(MIB);
+        measure_hidden(&m, &b, 0, 0, Update::Raise);
+        // the context goes, and the module it held with it: NVML lists the process no more
+        m.undo_last();
+        m.undo_last();
+        assert_eq!(
+            measure_hidden(&m, &b, 0, 0, Update::Raise),
+            None,
+            "while a context is being made, an absent process says nothing"
+        );
+        assert_eq!(
+            measure_hidden(&m, &b, 0, 0, Update::Set),
+            Some((301 * MIB, 0)),
+            "after a teardown it holds nothing"
+        );
+        // the next context is counted at its own cost, not hidden under the stale figure
+        assert_eq!(
+            costed(&m, &b, 0, Cost::Context, || m.make(300 * MIB), || {}),
+            0
+        );
+        assert_eq!(b.hidden.get(), 300 * MIB);
     }
 
     #[test]

@@ -63,7 +63,7 @@ const MISSING: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 
 /// The real driver: each call forwards to the real library (zero-sized, so the generic
 /// operations cost nothing over calling it directly).
-struct RealDriver;
+pub(crate) struct RealDriver;
 
 /// A 32-bit entry point's argument (`Abi::V1`): the value came from one, so it fits.
 fn v1(x: u64) -> R<c_uint> {
@@ -140,6 +140,18 @@ impl Driver for RealDriver {
                 forward!(MISSING, cuMipmappedArrayDestroy(arr as CUmipmappedArray))
             }
         })
+    }
+
+    fn is_live(&self, ptr: u64) -> bool {
+        let mut size: usize = 0;
+        ext!(
+            MISSING,
+            cuPointerGetAttribute(
+                (&mut size as *mut usize).cast(),
+                CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                ptr
+            )
+        ) == CUDA_SUCCESS
     }
 
     #[inline(always)]

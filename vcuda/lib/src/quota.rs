@@ -54,6 +54,9 @@ pub(crate) trait Driver {
     fn array_size(&self, kind: ArrayKind, arr: usize, ordinal: i32) -> Option<u64>;
     /// `cuArrayDestroy` / `cuMipmappedArrayDestroy`.
     fn array_destroy(&self, kind: ArrayKind, arr: usize) -> R<()>;
+    /// Whether the driver still knows the allocation at `ptr` (`cuPointerGetAttribute` of
+    /// its range size succeeds).
+    fn is_live(&self, ptr: u64) -> bool;
 }
 
 /// An array (`cuArrayCreate(_v2)`, `cuArray3DCreate(_v2)`) or a mipmapped array.
@@ -216,6 +219,27 @@ pub(crate) fn free_with(b: &impl Books, ptr: u64, call: impl FnOnce() -> R<()>) 
         _ => {}
     }
     rc
+}
+
+/// After a context was destroyed or its primary context reset, the driver has freed what
+/// that context held without a `cuMemFree` we saw: every allocation of `live` (a snapshot
+/// of the books) the driver no longer knows is forgotten, and what it reserved released.
+/// Allocations still alive (other contexts') stay counted. Returns the bytes released.
+pub(crate) fn forget_freed(d: &impl Driver, b: &impl Books, live: &[(u64, Rec)]) -> u64 {
+    let mut released = 0;
+    for &(ptr, _) in live {
+        if d.is_live(ptr) {
+            continue;
+        }
+        // Removed first: a thread freeing the same pointer meanwhile releases it once.
+        if let Some(r) = b.remove(ptr) {
+            if r.kind == Kind::Reserved {
+                b.release(usize::from(r.dev), r.size);
+                released += r.size;
+            }
+        }
+    }
+    released
 }
 
 /// An array (or mipmapped array) made by `create`: reserved at `est` (an upper estimate;
@@ -456,6 +480,9 @@ pub(crate) mod fake {
                 None => Err(crate::ffi::CUDA_ERROR_INVALID_VALUE),
             }
         }
+        fn is_live(&self, ptr: u64) -> bool {
+            self.live.borrow().contains_key(&ptr)
+        }
         fn free(&self, abi: Abi, ptr: u64) -> R<()> {
             self.calls.borrow_mut().push(Call::Free(abi, ptr));
             if *self.refuse_free.borrow() {
@@ -627,6 +654,41 @@ mod tests {
             "the over-quota allocation went back to the driver"
         );
         assert_eq!(*b.refusals.borrow(), 1);
+    }
+
+    #[test]
+    fn a_teardown_releases_what_the_driver_freed_and_keeps_what_lives_on() {
+        let (d, b) = (FakeDriver::new(), FakeBooks::new(&[8 * MIB, 8 * MIB]));
+        let gone = alloc(&d, &b, Abi::V2, MIB).unwrap();
+        let kept = alloc(&d, &b, Abi::V2, 2 * MIB).unwrap();
+        let mut b1 = b;
+        b1.dev = Some(1);
+        let other = alloc(&d, &b1, Abi::V2, 3 * MIB).unwrap();
+        let b = b1;
+        // a pointer the books know but did not reserve (a pool's) is forgotten, not released
+        b.insert(
+            0x5000,
+            Rec {
+                size: MIB,
+                dev: 0,
+                kind: Kind::Pool,
+            },
+        );
+        // the teardown freed `gone` and the pool pointer behind the library's back
+        d.live.borrow_mut().remove(&gone);
+        let live: Vec<(u64, Rec)> = b.recs.borrow().iter().map(|(p, r)| (*p, *r)).collect();
+        assert_eq!(forget_freed(&d, &b, &live), MIB);
+        assert_eq!((b.used(0), b.used(1)), (2 * MIB, 3 * MIB));
+        let left: Vec<u64> = b.recs.borrow().keys().copied().collect();
+        assert_eq!(left, {
+            let mut v = vec![kept, other];
+            v.sort_unstable();
+            v
+        });
+        // a second pass (another teardown) finds nothing more to release
+        assert_eq!(forget_freed(&d, &b, &live), 0);
+        free(&d, &b, Abi::V2, kept).unwrap();
+        assert_eq!(b.used(0), 0);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, CString};
 use std::path::Path;
 use std::sync::atomic::{
-    AtomicBool, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+    AtomicBool, AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
 use std::sync::OnceLock;
 
@@ -75,6 +75,10 @@ pub struct Vcuda {
     visible: Visible,
     /// Config index the single visible GPU has (fast path), or usize::MAX.
     single: AtomicU64,
+    /// The pid NVML last listed this process under (0: never). While it is still the pid
+    /// the driver knows us by, NVML not listing us means we hold nothing (after our last
+    /// context went), not that the pid is unknown.
+    listed_pid: AtomicU32,
     /// Real NVML handles of the config's GPUs (config order), once NVML is initialised.
     nvml_handles: OnceLock<Vec<usize>>,
     /// Synchronisations (which let pools give cached memory back to the device) hold this
@@ -191,6 +195,7 @@ impl Vcuda {
             objs: Mutex::new(Objects::default()),
             visible: Visible::default(),
             single: AtomicU64::new(u64::MAX),
+            listed_pid: AtomicU32::new(0),
             nvml_handles: OnceLock::new(),
             pool_sync: RwLock::new(()),
             pool_alloc: Mutex::new(()),
@@ -222,6 +227,7 @@ impl Vcuda {
             SlotId::NONE
         });
         self.me.store(pack(me), Relaxed);
+        self.listed_pid.store(0, Relaxed);
         self.limiter.reset_after_fork();
         FORKED.store(false, Release);
         (crate::LIFECYCLE.after_fork)(self);
@@ -316,6 +322,17 @@ impl Vcuda {
         } else {
             std::process::id()
         }
+    }
+
+    /// NVML listed this process under `pid`.
+    pub fn note_listed(&self, pid: u32) {
+        self.listed_pid.store(pid, Relaxed);
+    }
+
+    /// Whether NVML has listed this process under `pid` (so its absence from a later list
+    /// means it holds nothing, not that `pid` is not the driver's).
+    pub fn was_listed_as(&self, pid: u32) -> bool {
+        pid != 0 && self.listed_pid.load(Relaxed) == pid
     }
 
     /// The container's processes, as the region lists them.
