@@ -30,5 +30,6 @@ pub mod podresources {
     }
 }
 
+pub mod authority;
 pub mod constants;
 pub mod uds;

@@ -22,11 +22,18 @@
 //! ```
 
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
 
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::transport::server::Connected;
 use tonic::transport::{Channel, Endpoint, Error, Uri};
+
+use crate::authority;
 
 /// The URI every Unix-socket channel uses. Only its authority reaches the server (as the HTTP/2
 /// `:authority`); `localhost` is what the kubelet itself sends when it dials a plugin.
@@ -52,7 +59,115 @@ pub async fn connect_with(endpoint: Endpoint, path: impl AsRef<Path>) -> Result<
 }
 
 /// Turns a bound listener into the stream of connections
-/// `tonic::transport::Server::serve_with_incoming` takes.
-pub fn incoming(listener: UnixListener) -> UnixListenerStream {
-    UnixListenerStream::new(listener)
+/// `tonic::transport::Server::serve_with_incoming` takes. Each connection reads through
+/// [`Lenient`], so clients that send a socket path (or an empty value) as the HTTP/2
+/// `:authority`, as kubelets 1.20–1.25 do, are served like any other (see
+/// [`crate::authority`]).
+pub fn incoming(
+    listener: UnixListener,
+) -> impl Stream<Item = std::io::Result<Lenient<UnixStream>>> + Send + 'static {
+    UnixListenerStream::new(listener).map(|c| c.map(Lenient::new))
+}
+
+/// Bytes read per call from the client (the kubelet's requests are far smaller).
+const READ_CHUNK: usize = 16 * 1024;
+
+/// One accepted connection whose client-to-server bytes pass through an
+/// [`authority::Rewriter`]; writes go straight to the socket. A client the rewriter gives
+/// up on (see [`authority::ShimError`]) reads as an `InvalidData` error, which ends the
+/// connection.
+pub struct Lenient<S> {
+    inner: S,
+    shim: authority::Rewriter,
+    /// Rewritten bytes not yet read by the server, from `at`.
+    ready: Vec<u8>,
+    at: usize,
+    scratch: Box<[u8]>,
+}
+
+impl<S> Lenient<S> {
+    pub fn new(inner: S) -> Lenient<S> {
+        Lenient {
+            inner,
+            shim: authority::Rewriter::new(),
+            ready: Vec::new(),
+            at: 0,
+            scratch: vec![0; READ_CHUNK].into_boxed_slice(),
+        }
+    }
+
+    /// How many `:authority` values this connection has had replaced.
+    pub fn rewritten(&self) -> u64 {
+        self.shim.rewritten()
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Lenient<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let me = self.get_mut();
+        loop {
+            if me.at < me.ready.len() {
+                let n = out.remaining().min(me.ready.len() - me.at);
+                out.put_slice(&me.ready[me.at..me.at + n]);
+                me.at += n;
+                if me.at == me.ready.len() {
+                    me.ready.clear();
+                    me.at = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            let mut buf = ReadBuf::new(&mut me.scratch);
+            ready!(Pin::new(&mut me.inner).poll_read(cx, &mut buf))?;
+            let got = buf.filled();
+            if got.is_empty() {
+                // End of stream (a partial frame held back is dropped: h2 would refuse it).
+                return Poll::Ready(Ok(()));
+            }
+            me.shim
+                .feed(got, &mut me.ready)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Lenient<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl Connected for Lenient<UnixStream> {
+    type ConnectInfo = <UnixStream as Connected>::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
 }

@@ -256,3 +256,25 @@ def test_watchdog_reports_a_process_that_bypasses_the_library(node, bins):
     p.stdin.close()
     p.wait(timeout=30)
 
+
+
+# Kubelets 1.20-1.25 (grpc-go dialing a bare socket path) send the path as the HTTP/2
+# :authority, which h2 under tonic refuses; 1.26+ send "localhost" (kubernetes#112597).
+AUTHORITIES = {
+    "localhost": "localhost",
+    "socket path": "/var/lib/kubelet/device-plugins/vcuda-core.sock",
+    "percent-encoded path": "%2Fvar%2Flib%2Fkubelet%2Fdevice-plugins%2Fvcuda-core.sock",
+    "empty": "",
+}
+
+
+@pytest.mark.parametrize("form", AUTHORITIES)
+def test_both_plugin_sockets_answer_every_authority_a_kubelet_sends(node, form):
+    from h2raw import unary
+
+    for sock, preferred in (("vcuda-core.sock", True), ("vcuda-memory.sock", True)):
+        status, msg = unary(node.plugin_dir / sock, "/v1beta1.DevicePlugin/GetDevicePluginOptions", b"",
+                            authority=AUTHORITIES[form])
+        assert status == "0", f"{sock}: grpc-status {status}"
+        # DevicePluginOptions{pre_start_required: true (1), get_preferred_allocation_available (2)}
+        assert msg == bytes([0x08, 1, 0x10, int(preferred)]), f"{sock}: {msg!r}"
