@@ -65,6 +65,10 @@ class Node:
         self.recover_after = recover_after
         self.log_level = "info"
         self.manager_log = root / "manager.log"
+        # The CDI spec directory the manager is given (`--cdi-spec-dir`): the node's own, so
+        # that no test writes into the host's /var/run/cdi. Absent unless a test makes it or
+        # runs with `--cdi on`, so `--cdi auto` (the default) writes nothing.
+        self.cdi_dir = root / "cdi"
         self.ksim = None
         self.manager = None
         # A command the manager runs under (e.g. setpriv with the DaemonSet's capabilities).
@@ -72,10 +76,12 @@ class Node:
 
     # ---- processes -------------------------------------------------------------------------
 
-    def start_kubelet(self, sandbox_ms=0):
+    def start_kubelet(self, sandbox_ms=0, kubelet_version=None):
+        """kubelet_version: the release kubelet-sim plays ("1.20" ... "1.35"; default its newest)."""
+        version = ["--kubelet-version", kubelet_version] if kubelet_version else []
         self.ksim = subprocess.Popen(
             [KUBELET_SIM, "serve", "--plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket, "--control", self.control,
-             "--sandbox-ms", str(sandbox_ms)],
+             "--sandbox-ms", str(sandbox_ms), *version],
             stdout=subprocess.PIPE, stderr=open(self.root / "kubelet-sim.log", "a"), text=True,
         )
         line = self.ksim.stdout.readline()
@@ -93,10 +99,16 @@ class Node:
              "--state-dir", self.state, "--run-dir", self.run_dir, "--library", VCUDA_LIB,
              "--nvml-library", LIB / "libnvidia-ml.so.1", "--proc-root", self.proc_root,
              "--recover-after", str(self.recover_after), "--log", self.log_level,
-             "--metrics-address", "127.0.0.1:0", *extra],
+             "--metrics-address", "127.0.0.1:0", *self._cdi_args(extra), *extra],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.manager_log, "a"),
         )
         return self
+
+    def _cdi_args(self, extra):
+        # A manager built elsewhere (VCUDA_MANAGER_BIN) may predate `--cdi-spec-dir`.
+        if "VCUDA_MANAGER_BIN" in os.environ or any(str(a) == "--cdi-spec-dir" for a in extra):
+            return []
+        return ["--cdi-spec-dir", self.cdi_dir]
 
     def stop_manager(self):
         if self.manager and self.manager.poll() is None:
@@ -159,6 +171,13 @@ class Node:
         (c,) = admitted["containers"]
         resp = c["allocate_response"]
         mounts = {m["container_path"]: m["host_path"] for m in resp["mounts"]}
+        return self.container_with(resp["envs"], mounts, pod, namespace)
+
+    def container_with(self, envs, mounts, pod, namespace="default", preload="/usr/local/vcuda/lib64/libvcuda.so"):
+        """A container of `pod` given `envs` and `mounts` ({container path: host path}) as
+        a runtime applied them: from the Allocate answer (`container`) or a CDI spec.
+        `preload`: the library /etc/ld.so.preload names inside the container (preloaded
+        here by LD_PRELOAD, translated like every path)."""
         cfg_path = pathlib.Path(mounts["/etc/vcuda"]) / "vcuda.toml"
         cfg = tomllib.loads(cfg_path.read_text())
 
@@ -175,10 +194,10 @@ class Node:
         local = self.root / f"{namespace}.{pod}.vcuda.toml"
         local.write_text(text)
         env = dict(self.sim.env)
-        env.update(resp["envs"])  # then paths inside the container, translated:
+        env.update(envs)  # then paths inside the container, translated:
         env.update({
             "VCUDA_CONFIG": str(local),
-            "LD_PRELOAD": host("/usr/local/vcuda/lib64/libvcuda.so"),
+            "LD_PRELOAD": host(preload),
             "PROC_ROOT": str(self.proc_root),
             "POD_UID": self.pod_uid(pod, namespace),
             "CONTAINER_ID": f"{namespace}-{pod}",

@@ -141,7 +141,8 @@ pub struct ContainerResult {
     pub name: String,
     /// Resource → device IDs the container was allocated.
     pub devices: BTreeMap<String, Vec<String>>,
-    /// The merged Allocate responses of its resources.
+    /// The merged Allocate responses of its resources, as the kubelet hands them to the
+    /// runtime (before 1.29 without `cdi_devices`, which it drops).
     pub allocate_response: RunOptions,
     /// Present when the container was started on admission.
     pub start: Option<StartResult>,

@@ -18,26 +18,44 @@ use crate::proto::deviceplugin::{
 };
 use crate::proto::podresources::{self as pr, pod_resources_lister_server};
 use crate::sim::{go_err, Inner};
+use crate::versions::{Authority, Method};
+use crate::wire::SendsPath;
 
 /// Connects to a gRPC server on a Unix socket, once. The authority is `localhost`, as the
-/// kubelet's dial sets it.
+/// kubelet's dial sets it since 1.26.
 pub async fn connect_unix(path: &Path) -> Result<Channel, tonic::transport::Error> {
+    connect_plugin(path, Authority::Localhost).await
+}
+
+/// Connects to a device plugin's socket, once, sending `authority` as the kubelet release
+/// played does: `localhost`, or (before 1.26) the socket path, put on the wire by
+/// [`SendsPath`].
+pub async fn connect_plugin(
+    path: &Path,
+    authority: Authority,
+) -> Result<Channel, tonic::transport::Error> {
     let path = path.to_path_buf();
     Endpoint::from_static("http://localhost")
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+            async move {
+                let s = UnixStream::connect(&path).await?;
+                Ok::<_, std::io::Error>(TokioIo::new(match authority {
+                    Authority::Localhost => SendsPath::untouched(s),
+                    Authority::SocketPath => SendsPath::new(s, &path.to_string_lossy()),
+                }))
+            }
         }))
         .await
 }
 
 /// The kubelet's blocking dial: retries until connected or `timeout` passes (grpc-go's
 /// `WithBlock` retries a refused or missing socket with back-off; we retry every 100 ms).
-async fn dial(path: &Path, timeout: Duration) -> Result<Channel, String> {
+async fn dial(path: &Path, timeout: Duration, authority: Authority) -> Result<Channel, String> {
     const RETRY: Duration = Duration::from_millis(100);
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        match tokio::time::timeout_at(deadline, connect_unix(path)).await {
+        match tokio::time::timeout_at(deadline, connect_plugin(path, authority)).await {
             Ok(Ok(channel)) => return Ok(channel),
             Ok(Err(e)) if tokio::time::Instant::now() + RETRY >= deadline => {
                 return Err(format!("{}: {}", path.display(), chain(&e)))
@@ -83,7 +101,34 @@ impl registration_server::Registration for Registration {
         names::check_version(&req.version).map_err(reject)?;
         names::check_resource_name(&resource).map_err(reject)?;
         let socket: PathBuf = self.inner.config.plugin_dir.join(&req.endpoint);
-        let channel = dial(&socket, self.inner.config.dial_timeout)
+        let profile = self.inner.config.profile;
+        if !profile.options_in_register() {
+            // Before 1.25 Register returns at once; the plugin is dialled afterwards and its
+            // options are the RegisterRequest's (kubernetes#109016 changed both).
+            let (inner, incarnation) = (self.inner.clone(), self.incarnation);
+            tokio::spawn(async move {
+                let channel =
+                    match dial(&socket, inner.config.dial_timeout, profile.authority()).await {
+                        Ok(c) => c,
+                        Err(e) => return warn!(%resource, "failed to dial device plugin: {e}"),
+                    };
+                let client = DevicePluginClient::new(channel);
+                let options = req.options.unwrap_or_default();
+                let Some(generation) = inner.plugin_connected(
+                    incarnation,
+                    &resource,
+                    socket,
+                    client.clone(),
+                    options,
+                    req.options,
+                ) else {
+                    return;
+                };
+                run_client(inner, incarnation, resource, generation, client).await;
+            });
+            return Ok(Response::new(dp::Empty {}));
+        }
+        let channel = dial(&socket, self.inner.config.dial_timeout, profile.authority())
             .await
             .map_err(|e| reject(format!("failed to dial device plugin: {e}")))?;
         let mut client = DevicePluginClient::new(channel);
@@ -170,6 +215,10 @@ impl pod_resources_lister_server::PodResourcesLister for PodResources {
         &self,
         _: Request<pr::AllocatableResourcesRequest>,
     ) -> Result<Response<pr::AllocatableResourcesResponse>, Status> {
+        available(
+            self.inner.config.profile.get_allocatable(),
+            "GetAllocatableResources",
+        )?;
         Ok(Response::new(pr::AllocatableResourcesResponse {
             devices: self.inner.allocatable_devices(),
             ..Default::default()
@@ -180,6 +229,7 @@ impl pod_resources_lister_server::PodResourcesLister for PodResources {
         &self,
         request: Request<pr::GetPodResourcesRequest>,
     ) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
+        available(self.inner.config.profile.get(), "Get")?;
         let r = request.into_inner();
         match self.inner.get_pod_resources(&r.pod_namespace, &r.pod_name) {
             Some(p) => Ok(Response::new(pr::GetPodResourcesResponse {
@@ -190,6 +240,18 @@ impl pod_resources_lister_server::PodResourcesLister for PodResources {
                 r.pod_name, r.pod_namespace
             ))),
         }
+    }
+}
+
+/// A PodResources method as the release played has it: served, refused by its feature
+/// gate, or not in its API at all (grpc-go's answer for an unknown method).
+fn available(m: Method, name: &str) -> Result<(), Status> {
+    match m {
+        Method::On => Ok(()),
+        Method::GateOff(msg) => Err(Status::unknown(msg)),
+        Method::Absent => Err(Status::unimplemented(format!(
+            "unknown method {name} for service v1.PodResourcesLister"
+        ))),
     }
 }
 

@@ -6,8 +6,10 @@
 //!   PreStartContainer, pod deletion, kubelet restarts, the checkpoint).
 //! - [`grpc`]: the Registration and PodResources servers and the plugin client.
 //! - [`control`]: the JSON-lines control socket and its client (the CLI's transport).
-//! - [`checkpoint`], [`merge`], [`names`]: pure pieces (file shape, response merging,
-//!   registration validation).
+//! - [`checkpoint`], [`merge`], [`names`], [`versions`]: pure pieces (file shape, response
+//!   merging, registration validation, what differs between kubelet releases).
+//! - [`wire`]: what kubelets before 1.26 send as `:authority` (the socket path), put on the
+//!   wire under kubelet-sim's tonic client.
 
 #![forbid(unsafe_code)]
 
@@ -18,6 +20,8 @@ pub mod grpc;
 pub mod merge;
 pub mod names;
 pub mod sim;
+pub mod versions;
+pub mod wire;
 
 pub use api::*;
 pub use sim::{Config, SimError, Simulator};

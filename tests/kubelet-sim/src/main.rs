@@ -54,6 +54,13 @@ enum Command {
         /// 0 starts containers right after admission, the hardest case for a plugin.
         #[arg(long, value_name = "MS", default_value_t = 0)]
         sandbox_ms: u64,
+        /// The kubelet release to play, 1.20 to 1.35: what a device plugin sees differ between
+        /// releases (the `:authority` of its calls: the socket path before 1.26; whether
+        /// Register asks GetDevicePluginOptions: 1.25+; PodResources GetAllocatableResources
+        /// and Get; whether cdi_devices reach the runtime: 1.29+). See
+        /// tests/kubelet-sim/README.md, "Kubelet versions".
+        #[arg(long, value_name = "1.N", default_value_t = kubelet_sim::versions::NEWEST)]
+        kubelet_version: kubelet_sim::versions::Version,
     },
     /// Registered resources (endpoint, options, all/healthy/allocated device IDs) and pods
     /// with their allocations.
@@ -163,7 +170,17 @@ async fn main() -> Result<()> {
             pod_resources_socket,
             control,
             sandbox_ms,
-        } => return serve(plugin_dir, pod_resources_socket, control, sandbox_ms).await,
+            kubelet_version,
+        } => {
+            return serve(
+                plugin_dir,
+                pod_resources_socket,
+                control,
+                sandbox_ms,
+                kubelet_version,
+            )
+            .await
+        }
         Command::Status { control } => (control, Request::Status),
         Command::Admit {
             control,
@@ -257,6 +274,7 @@ async fn serve(
     pod_resources: PathBuf,
     control: PathBuf,
     sandbox_ms: u64,
+    kubelet_version: kubelet_sim::versions::Version,
 ) -> Result<()> {
     std::fs::create_dir_all(&plugin_dir)
         .with_context(|| format!("cannot create --plugin-dir {}", plugin_dir.display()))?;
@@ -273,6 +291,7 @@ async fn serve(
     let sim = Arc::new(
         Simulator::start(Config {
             sandbox_time: std::time::Duration::from_millis(sandbox_ms),
+            profile: kubelet_sim::versions::Profile::new(kubelet_version),
             ..Config::new(&plugin_dir, &pod_resources)
         })
         .context("cannot start the simulated kubelet")?,
@@ -286,6 +305,7 @@ async fn serve(
             "kubelet_socket": sim.kubelet_socket(),
             "pod_resources_socket": pod_resources,
             "control": control,
+            "kubelet_version": kubelet_version.to_string(),
         })
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -53,6 +53,8 @@ pub struct Config {
     /// How long the container runtime takes to create a pod's sandbox, between admission
     /// and the first container start when `admit` starts the containers.
     pub sandbox_time: Duration,
+    /// The kubelet release played (`--kubelet-version`).
+    pub profile: crate::versions::Profile,
 }
 
 impl Config {
@@ -63,6 +65,7 @@ impl Config {
             dial_timeout: DIAL_TIMEOUT,
             pre_start_timeout: PRE_START_TIMEOUT,
             sandbox_time: Duration::ZERO,
+            profile: crate::versions::Profile::default(),
         }
     }
 }
@@ -288,6 +291,16 @@ impl State {
             self.alloc(uid, &container.name, &r.resource)
                 .map(|a| (r.resource.as_str(), &a.response))
         }))
+    }
+
+    /// What the runtime is given: before 1.29 the kubelet drops `cdi_devices`
+    /// (`DevicePluginCDIDevices` off).
+    fn runtime_options(&self, uid: &str, container: &PodContainer, cdi: bool) -> RunOptions {
+        let mut o = self.run_options(uid, container);
+        if !cdi {
+            o.cdi_devices.clear();
+        }
+        o
     }
 
     fn to_checkpoint(&self) -> Checkpoint {
@@ -803,6 +816,7 @@ impl Simulator {
                 self.inner.write_checkpoint(&self.inner.state());
             }
         }
+        let cdi = self.inner.config.profile.passes_cdi_devices();
         let mut containers = {
             let st = self.inner.state();
             let pod = st
@@ -813,7 +827,7 @@ impl Simulator {
                 .map(|c| ContainerResult {
                     name: c.name.clone(),
                     devices: st.container_devices(&uid, &c.name),
-                    allocate_response: st.run_options(&uid, c),
+                    allocate_response: st.runtime_options(&uid, c, cdi),
                     start: None,
                 })
                 .collect::<Vec<_>>()
