@@ -12,6 +12,7 @@ use vcuda_contract::config::parse_uuid;
 use vcuda_contract::control::Hello;
 use vcuda_contract::region_file::{RegionFault, RegionFile};
 
+use crate::cdi::{CdiError, SpecDir};
 use crate::files::{create_dir, remove_dir, write_atomic, FileError};
 use crate::journal::{Journal, JournalError};
 use crate::settings::Settings;
@@ -69,6 +70,8 @@ pub enum CoreError {
     Region(#[from] RegionFault),
     #[error("cannot draw an allocation id from the kernel's random source: {0}; is /dev/urandom (getrandom(2)) available to the manager?")]
     RandomId(getrandom::Error),
+    #[error(transparent)]
+    Cdi(#[from] CdiError),
 }
 
 impl CoreError {
@@ -86,6 +89,7 @@ impl CoreError {
             CoreError::Journal(e) => e.kind(),
             CoreError::Region(_) => "region",
             CoreError::RandomId(_) => "random-id",
+            CoreError::Cdi(e) => e.kind(),
         }
     }
 
@@ -103,7 +107,8 @@ impl CoreError {
             CoreError::Files(_)
             | CoreError::Journal(_)
             | CoreError::Region(_)
-            | CoreError::RandomId(_) => true,
+            | CoreError::RandomId(_)
+            | CoreError::Cdi(_) => true,
         }
     }
 }
@@ -210,6 +215,8 @@ pub struct Core {
     regions: BTreeMap<AllocationId, Arc<RegionFile>>,
     /// Registered processes by host pid ([`Registration`]).
     registrations: BTreeMap<u32, Registration>,
+    /// The CDI spec directory (`--cdi`), if it is written or cleaned.
+    cdi: Option<SpecDir>,
 }
 
 impl Core {
@@ -267,6 +274,10 @@ impl Core {
                 }
             }
         }
+        let cdi = SpecDir::open(settings.cdi, &settings.cdi_spec_dir)?;
+        if let Some(cdi) = &cdi {
+            sync_cdi(cdi, &layout, &inventory, &replay.allocations);
+        }
         Ok(Core {
             settings,
             inventory,
@@ -279,7 +290,13 @@ impl Core {
             overrides: BTreeMap::new(),
             regions: BTreeMap::new(),
             registrations: BTreeMap::new(),
+            cdi,
         })
+    }
+
+    /// Whether Allocate writes CDI specs and returns their names.
+    pub fn cdi_writes(&self) -> bool {
+        self.cdi.as_ref().is_some_and(SpecDir::writes)
     }
 
     /// Record one allocation's current state in the checkpoint.
@@ -406,13 +423,23 @@ impl Core {
             created: unix_now(),
         };
         self.make_dirs(&id)?;
-        let a = answer(&self.layout, &alloc, &self.inventory.gpus);
+        let mut a = answer(&self.layout, &alloc, &self.inventory.gpus);
         self.allocs.insert(id.clone(), alloc);
         if let Err(e) = self.save(&id) {
             // Refused: nothing of it may stay behind (the kubelet retries with a new call).
             self.allocs.remove(&id);
             let _ = std::fs::remove_dir_all(self.layout.dir(&id));
             return Err(e.into());
+        }
+        // The same edits as a CDI spec. The answer is complete without it, so a spec that
+        // cannot be written costs the container CDI, not its start: no name is returned.
+        if let Some(cdi) = &self.cdi {
+            match cdi.write(&id, &a) {
+                Ok(name) => a.cdi_devices.extend(name),
+                Err(e) => {
+                    tracing::warn!(allocation = %id, error = %e, kind = e.kind(), "no CDI spec for this allocation; Allocate answers its mounts, devices and env only")
+                }
+            }
         }
         Ok(a)
     }
@@ -712,6 +739,12 @@ impl Core {
         self.registrations.retain(|_, r| r.allocation != *id);
         if self.allocs.remove(id).is_some() {
             self.changed.notify_one();
+            // First, and never holding up the rest: its device must not outlive it.
+            if let Some(cdi) = &self.cdi {
+                if let Err(e) = cdi.remove(id) {
+                    tracing::warn!(allocation = %id, error = %e, kind = e.kind(), "cannot remove the allocation's CDI spec");
+                }
+            }
             self.journal.remove(id)?;
             remove_dir(&self.layout.dir(id))?;
         }
@@ -831,6 +864,37 @@ fn new_id() -> Result<AllocationId, CoreError> {
     )))
 }
 
+/// At start-up: remove our CDI specs whose allocation the checkpoint does not know (and our
+/// temporary files), then, when specs are written, write every known allocation's again (a
+/// reboot may have emptied a tmpfs spec directory, and a restarted container is created
+/// with the CDI names the kubelet kept from its Allocate, which is not called again).
+fn sync_cdi(
+    cdi: &SpecDir,
+    layout: &Layout,
+    inventory: &Inventory,
+    allocs: &BTreeMap<AllocationId, Allocation>,
+) {
+    match cdi.sweep(|id| allocs.contains_key(id)) {
+        Ok(removed) => {
+            for p in removed {
+                tracing::info!(spec = %p.display(), "removed a CDI spec of an allocation the checkpoint does not know");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, kind = e.kind(), "cannot clean the CDI spec directory")
+        }
+    }
+    if !cdi.writes() {
+        return;
+    }
+    for a in allocs.values() {
+        if let Err(e) = cdi.write(&a.id, &answer(layout, a, &inventory.gpus)) {
+            tracing::warn!(allocation = %a.id, error = %e, kind = e.kind(), "cannot write the allocation's CDI spec");
+        }
+    }
+    tracing::info!(dir = %cdi.dir().display(), allocations = allocs.len(), "CDI specs are written (--cdi)");
+}
+
 fn needs_uid(a: &Allocation) -> bool {
     a.owner.as_ref().is_some_and(|o| o.uid.is_none())
 }
@@ -870,15 +934,24 @@ pub(crate) mod tests {
     const U1: &str = "GPU-5a1c2e4f-0d3b-4c8a-9e61-7b2f10c3d402";
 
     fn core(dir: &Path) -> Core {
-        let flags = Flags::parse_from([
+        core_with(dir, &[])
+    }
+
+    /// [`core`] with more flags.
+    fn core_with(dir: &Path, extra: &[&str]) -> Core {
+        let (state, run, cdi) = (dir.join("state"), dir.join("run"), dir.join("cdi"));
+        let base = [
             "m",
             "--state-dir",
-            dir.join("state").to_str().unwrap(),
+            state.to_str().unwrap(),
             "--run-dir",
-            dir.join("run").to_str().unwrap(),
+            run.to_str().unwrap(),
             "--core-limit",
             "ns/p0/c=60",
-        ]);
+            "--cdi-spec-dir",
+            cdi.to_str().unwrap(),
+        ];
+        let flags = Flags::parse_from(base.iter().chain(extra));
         let settings = Settings::load(&flags).unwrap();
         let gpus = vec![
             Gpu {
@@ -1244,6 +1317,96 @@ pub(crate) mod tests {
         );
     }
 
+    /// With CDI: Allocate writes the allocation's spec and returns its name with the mounts
+    /// answer; the spec goes with the allocation; a restart removes our specs of unknown
+    /// allocations (only ours) and writes the known ones' again.
+    #[test]
+    fn cdi_specs_follow_the_allocations() {
+        let d = tempfile::tempdir().unwrap();
+        let spec_dir = d.path().join("cdi");
+        let names = || {
+            let mut v: Vec<String> = std::fs::read_dir(&spec_dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            v.sort();
+            v
+        };
+        let cores = ids(U0, Kind::Core, 0, 30);
+        let mem = ids(U0, Kind::Memory, 0, 16);
+        let (id, kept) = {
+            let mut c = core_with(d.path(), &["--cdi", "on"]);
+            assert!(c.cdi_writes());
+            let a = c.allocate(Kind::Core, &cores).unwrap();
+            assert!(
+                !a.mounts.is_empty() && !a.envs.is_empty(),
+                "the answer stays whole"
+            );
+            let [name] = &a.cdi_devices[..] else {
+                panic!("{a:?}")
+            };
+            let id = c.allocations().next().unwrap().id.clone();
+            assert_eq!(name, &format!("vcuda.io/allocation={id}"));
+            assert!(c
+                .allocate(Kind::Memory, &mem)
+                .unwrap()
+                .cdi_devices
+                .is_empty());
+            assert_eq!(names(), vec![format!("vcuda.io-allocation_{id}.json")]);
+            let text = std::fs::read_to_string(spec_dir.join(&names()[0])).unwrap();
+            let spec: vcuda_manager_core::cdi::Spec = serde_json::from_str(&text).unwrap();
+            assert_eq!(spec, vcuda_manager_core::cdi::spec(&id, &a).unwrap());
+            // The same devices allocated again: the old allocation and its spec go.
+            c.allocate(Kind::Core, &cores).unwrap();
+            let id2 = c.allocations().next().unwrap().id.clone();
+            assert_ne!(id, id2);
+            assert_eq!(names(), vec![format!("vcuda.io-allocation_{id2}.json")]);
+            c.remove(&id2).unwrap();
+            assert!(names().is_empty());
+            c.allocate(Kind::Core, &cores).unwrap();
+            let kept = c.allocations().next().unwrap().id.clone();
+            (id, kept)
+        };
+        // Left by an earlier run: ours for an allocation gone, another vendor's; ours for
+        // a known allocation lost (a reboot).
+        let stale = format!("vcuda.io-allocation_{id}.json");
+        std::fs::write(spec_dir.join(&stale), "{}").unwrap();
+        std::fs::write(spec_dir.join("nvidia.com-gpu.json"), "{}").unwrap();
+        std::fs::remove_file(spec_dir.join(format!("vcuda.io-allocation_{kept}.json"))).unwrap();
+        drop(core_with(d.path(), &["--cdi", "on"]));
+        assert_eq!(
+            names(),
+            vec![
+                "nvidia.com-gpu.json".to_string(),
+                format!("vcuda.io-allocation_{kept}.json")
+            ]
+        );
+        // Off: nothing is written, no name returned; ours of gone allocations still go.
+        std::fs::write(spec_dir.join(&stale), "{}").unwrap();
+        let mut c = core_with(d.path(), &["--cdi", "off"]);
+        assert!(!c.cdi_writes());
+        c.remove(&kept).unwrap();
+        let a = c.allocate(Kind::Core, &ids(U1, Kind::Core, 0, 10)).unwrap();
+        assert!(a.cdi_devices.is_empty() && !a.mounts.is_empty());
+        assert_eq!(names(), vec!["nvidia.com-gpu.json".to_string()]);
+    }
+
+    /// A spec that cannot be written costs CDI, not the container: the answer comes
+    /// without a name.
+    #[test]
+    fn an_unwritable_spec_leaves_the_mounts_answer() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = core_with(d.path(), &["--cdi", "on"]);
+        let cores = ids(U0, Kind::Core, 0, 30);
+        // A directory where the next allocation's spec would go is not knowable (random
+        // ids); make the directory unusable instead: a non-directory in its place.
+        let spec_dir = d.path().join("cdi");
+        std::fs::remove_dir(&spec_dir).unwrap();
+        std::fs::write(&spec_dir, "").unwrap();
+        let a = c.allocate(Kind::Core, &cores).unwrap();
+        assert!(a.cdi_devices.is_empty() && !a.mounts.is_empty(), "{a:?}");
+    }
+
     #[test]
     fn an_unreadable_checkpoint_stops_the_state_from_opening() {
         let d = tempfile::tempdir().unwrap();
@@ -1257,6 +1420,8 @@ pub(crate) mod tests {
             d.path().join("state").to_str().unwrap(),
             "--run-dir",
             d.path().join("run").to_str().unwrap(),
+            "--cdi",
+            "off",
         ]);
         let inventory = Inventory {
             node: Node {

@@ -8,6 +8,7 @@
 //! - [`baseline`]: whether the library it mounts loads in old images (glibc baseline; pure);
 //! - [`gpus`]: NVML inventory, topology, XID health, process samples;
 //! - [`files`]: the manager's own files, replaced atomically (below `core` and `journal`);
+//! - [`cdi`]: CDI spec files, one per allocation, replaced atomically (below `core`);
 //! - [`journal`]: the checkpoint, an append-only file of allocation records;
 //! - [`core`]: the state (allocations, pairing, checkpoint) the services share;
 //! - [`lookup`]: when an earlier PodResources list may answer PreStartContainer (pure);
@@ -25,6 +26,7 @@
 pub mod apiserver;
 pub mod backend;
 pub mod baseline;
+pub mod cdi;
 pub mod control;
 pub mod control_loop;
 pub mod core;

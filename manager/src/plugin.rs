@@ -114,7 +114,13 @@ fn to_proto(a: Answer) -> dp::ContainerAllocateResponse {
             })
             .collect(),
         annotations: a.annotations.into_iter().collect::<HashMap<_, _>>(),
-        cdi_devices: Vec::new(),
+        // With `--cdi`, the allocation's spec makes the same edits as the fields above,
+        // which stay for runtimes (and kubelets before 1.29) that do not apply CDI.
+        cdi_devices: a
+            .cdi_devices
+            .into_iter()
+            .map(|name| dp::CdiDevice { name })
+            .collect(),
     }
 }
 

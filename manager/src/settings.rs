@@ -176,6 +176,20 @@ layer! {
         /// This node's name in the API server [default: $NODE_NAME, else the host name].
         #[arg(long, value_name = "NAME")]
         pub node_name: Option<String>,
+        /// Whether to write a CDI (Container Device Interface) spec per allocation into
+        /// --cdi-spec-dir and return its device name (`vcuda.io/allocation=<id>`) in
+        /// Allocate's `cdi_devices`, for kubelets (1.29+, DevicePluginCDIDevices) and
+        /// runtimes (containerd 1.7+, CRI-O) that apply CDI: `auto` does when --cdi-spec-dir
+        /// exists at start-up (a CDI-aware runtime scans it); `on` always (making the
+        /// directory); `off` never. The mounts, devices and env of the answer are returned
+        /// in every mode, for runtimes without CDI [default: auto].
+        #[arg(long, value_name = "auto|on|off")]
+        pub cdi: Option<String>,
+        /// Where CDI specs are written (one file per allocation,
+        /// `vcuda.io-allocation_<id>.json`, removed with its allocation): a directory
+        /// containerd and CRI-O scan, host-only [default: /var/run/cdi].
+        #[arg(long, value_name = "DIR")]
+        pub cdi_spec_dir: Option<PathBuf>,
     }
 }
 
@@ -214,6 +228,17 @@ pub enum ApiMode {
     Off,
 }
 
+/// Whether the manager writes CDI specs and returns CDI device names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CdiMode {
+    /// When the CDI spec directory exists at start-up.
+    Auto,
+    /// Always; the directory is made if missing.
+    On,
+    /// Never.
+    Off,
+}
+
 /// The effective settings.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -242,6 +267,8 @@ pub struct Settings {
     pub kubeconfig: Option<PathBuf>,
     /// This node's name (for its Node object and the `node` metric label).
     pub node_name: String,
+    pub cdi: CdiMode,
+    pub cdi_spec_dir: PathBuf,
 }
 
 /// A setting the manager cannot start with. Each names the flag (or the file's line) and
@@ -283,6 +310,10 @@ pub enum SettingsError {
         "--api {value:?}: expected auto (use the API server when a kubeconfig is found), on or off"
     )]
     Api { value: String },
+    #[error(
+        "--cdi {value:?}: expected auto (CDI when --cdi-spec-dir exists at start-up), on or off"
+    )]
+    Cdi { value: String },
 }
 
 impl SettingsError {
@@ -298,6 +329,7 @@ impl SettingsError {
             SettingsError::LibraryBaseline { .. } => "library-baseline",
             SettingsError::MetricsAddress { .. } => "metrics-address",
             SettingsError::Api { .. } => "api",
+            SettingsError::Cdi { .. } => "cdi",
         }
     }
 }
@@ -407,6 +439,17 @@ impl Settings {
                         .map(|h| h.trim().to_string())
                 })
                 .unwrap_or_default(),
+            cdi: match given.cdi.as_deref() {
+                None | Some("auto") => CdiMode::Auto,
+                Some("on") => CdiMode::On,
+                Some("off") => CdiMode::Off,
+                Some(other) => {
+                    return Err(SettingsError::Cdi {
+                        value: other.to_string(),
+                    })
+                }
+            },
+            cdi_spec_dir: given.cdi_spec_dir.unwrap_or_else(|| "/var/run/cdi".into()),
         })
     }
 
@@ -508,6 +551,35 @@ mod tests {
         assert_eq!(s.xid_ignore, DEFAULT_XID_IGNORE);
         assert!(!s.watchdog_kill);
         assert_eq!(s.library_baseline, Some((2, 17)));
+        assert_eq!(s.cdi, CdiMode::Auto);
+        assert_eq!(s.cdi_spec_dir, Path::new("/var/run/cdi"));
+    }
+
+    #[test]
+    fn cdi_is_auto_on_or_off() {
+        let load = |args: &[&str]| {
+            Settings::load(&Flags::parse_from(
+                ["vcuda-manager"].iter().chain(args).copied(),
+            ))
+        };
+        for (v, mode) in [
+            ("auto", CdiMode::Auto),
+            ("on", CdiMode::On),
+            ("off", CdiMode::Off),
+        ] {
+            assert_eq!(load(&["--cdi", v]).unwrap().cdi, mode);
+        }
+        let e = load(&["--cdi", "yes"]).unwrap_err();
+        assert!(
+            matches!(&e, SettingsError::Cdi { value } if value == "yes"),
+            "{e:?}"
+        );
+        assert_eq!(e.kind(), "cdi");
+        let e = e.to_string();
+        assert!(
+            e.contains("--cdi") && e.contains("auto") && e.contains("off"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -650,6 +722,8 @@ mod tests {
         ("api", "\"on\"", &["on"], "\"off\""),
         ("kubeconfig", "\"/a\"", &["/a"], "\"/b\""),
         ("node_name", "\"n1\"", &["n1"], "\"n2\""),
+        ("cdi", "\"on\"", &["on"], "\"off\""),
+        ("cdi_spec_dir", "\"/a\"", &["/a"], "\"/b\""),
     ];
 
     /// The keys the flags accept: their long names with underscores (`--config` aside).
@@ -695,7 +769,7 @@ mod tests {
     #[test]
     fn the_file_and_the_flags_take_the_same_keys() {
         let flags = flag_keys();
-        assert_eq!(flags.len(), 21, "{flags:?}");
+        assert_eq!(flags.len(), 23, "{flags:?}");
         assert_eq!(file_keys(), flags);
         let table: BTreeSet<String> = EVERY_KEY.iter().map(|r| r.0.to_string()).collect();
         assert_eq!(table, flags, "EVERY_KEY needs a row per key");

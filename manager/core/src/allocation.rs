@@ -62,6 +62,10 @@ pub struct Answer {
     pub mounts: Vec<Mount>,
     pub devices: Vec<DeviceNode>,
     pub annotations: BTreeMap<String, String>,
+    /// Fully qualified CDI device names whose specs make the same edits
+    /// ([`crate::cdi`]); empty when CDI is off. The daemon fills it in once the spec is
+    /// written.
+    pub cdi_devices: Vec<String>,
 }
 
 /// Who an allocation belongs to, once PreStartContainer has found out.

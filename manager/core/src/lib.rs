@@ -8,6 +8,8 @@
 //!   types state is keyed by (allocation id, pod UID, container, pod);
 //! - [`placement`]: GetPreferredAllocation and Allocate validation;
 //! - [`allocation`]: what Allocate answers and what PreStartContainer finishes;
+//! - [`cdi`]: the Allocate answer as a CDI spec (contents, device and file names, which
+//!   spec files are ours and stale);
 //! - [`assign`]: following the scheduler: the pod being admitted, its assigned GPUs, the
 //!   agreement check, the published inventory and retired reservations;
 //! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (parsers over text
@@ -22,6 +24,7 @@
 
 pub mod allocation;
 pub mod assign;
+pub mod cdi;
 pub mod identity;
 pub mod ids;
 pub mod inventory;
