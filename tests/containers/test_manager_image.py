@@ -132,6 +132,7 @@ class ManagerContainer:
             "/var/lib/vcuda": node.state,
             "/run/vcuda": node.run_dir,
             "/usr/local/vcuda/lib64": libdir,
+            "/var/run/cdi": node.cdi_dir,
         }
         confdir = node.root / "manager-config"
         confdir.mkdir(exist_ok=True)
@@ -154,6 +155,7 @@ class ManagerContainer:
         # The manifest's paths, relocated (the binary's defaults are the manifest's paths).
         command += ["--device-plugin-dir", node.plugin_dir, "--pod-resources-socket", node.pr_socket,
                     "--state-dir", node.state, "--run-dir", node.run_dir, "--library", libdir / "libvcuda.so",
+                    "--cdi-spec-dir", node.cdi_dir,
                     "--nvml-library", f"{runtime.GPUSIM_LIB_IN_CONTAINER}/libnvidia-ml.so.1",
                     "--metrics-address", "127.0.0.1:0", *extra_flags]
         self.args = [*args, PRODUCT, *map(str, command)]

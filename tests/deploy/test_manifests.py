@@ -60,6 +60,9 @@ def test_daemonset_has_only_what_it_needs():
     # in device-plugins
     assert ro["pod-resources"] is True and ro["device-plugins"] is False
     assert ro["config"] is True and ro["library"] is True
+    # the CDI spec directory the runtimes scan, writable: the manager writes its specs there
+    assert mounts["cdi"] == "/var/run/cdi" and ro["cdi"] is False
+    assert {m["name"]: m["mountPath"] for m in manager["volumeMounts"]}["cdi"] == "/var/run/cdi"
 
 
 def test_network_policy_admits_prometheus_to_the_metrics_port_only():

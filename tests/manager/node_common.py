@@ -306,3 +306,33 @@ def wait_for(what, pred, timeout=10.0, step=0.05):
             return v
         time.sleep(step)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def demo_pods(node):
+    """The demo's two pods on one GPU: a at 30 % + 4 GiB, b at 70 % + 8 GiB. Checks both were
+    admitted and started and configured as asked; returns their containers."""
+    a = node.admit("a", core=30, memory=16)
+    b = node.admit("b", core=70, memory=32)
+    for r in (a, b):
+        assert r["admitted"], r
+        assert r["containers"][0]["start"]["started"], r
+    ca, cb = node.container(a, "a"), node.container(b, "b")
+    gpu = lambda c: c.config["gpu"][0]  # noqa: E731
+    assert (gpu(ca)["memory_mib"], gpu(ca)["core"]) == (4096, 30)
+    assert (gpu(cb)["memory_mib"], gpu(cb)["core"]) == (8192, 70)
+    assert gpu(ca)["uuid"] == gpu(cb)["uuid"], "best fit: both on one GPU"
+    return ca, cb
+
+
+def fill(container, bins, max_mib, step=256):
+    """Run fill in the container: returns (MiB it got, what it printed)."""
+    p = container.popen([bins["fill"], step, max_mib], stdin=subprocess.PIPE)
+    out = ""
+    for line in p.stdout:
+        out += line
+        if "holds" in line or "failed" in line:
+            break
+    p.stdin.close()
+    p.wait(timeout=30)
+    held = [int(w) for line in out.splitlines() if "holds" in line for w in line.split() if w.isdigit()]
+    return (held[0] if held else 0), out

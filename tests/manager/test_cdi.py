@@ -17,7 +17,6 @@ import copy
 import json
 import pathlib
 import re
-import subprocess
 import threading
 import time
 
@@ -26,7 +25,7 @@ import pytest
 import referencing
 import referencing.jsonschema
 
-from node_common import CORE, Node, bins, wait_for  # noqa: F401 (bins: a fixture)
+from node_common import CORE, Node, bins, fill, wait_for  # noqa: F401 (bins: a fixture)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CDI = ROOT.parent / "shared" / "upstream" / "cdi"
@@ -211,19 +210,6 @@ def cdi_container(node, admitted, pod, namespace="default"):
     (preload,) = pathlib.Path(binds["/etc/ld.so.preload"]).read_text().split()
     return node.container_with(env, binds, pod, namespace, preload=preload), mounts, nodes
 
-
-def fill(container, bins, max_mib, step=256):
-    """Run fill in the container: returns (MiB it got, what it printed)."""
-    p = container.popen([bins["fill"], step, max_mib], stdin=subprocess.PIPE)
-    out = ""
-    for line in p.stdout:
-        out += line
-        if "holds" in line or "failed" in line:
-            break
-    p.stdin.close()
-    p.wait(timeout=30)
-    held = [int(w) for line in out.splitlines() if "holds" in line for w in line.split() if w.isdigit()]
-    return (held[0] if held else 0), out
 
 
 # ---- the tests ------------------------------------------------------------------------------------

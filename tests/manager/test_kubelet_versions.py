@@ -9,8 +9,7 @@ needs a fallback."""
 
 import pytest
 
-from node_common import Node, bins, wait_for  # noqa: F401 (bins: a fixture)
-from test_manager import fill
+from node_common import Node, bins, demo_pods, fill  # noqa: F401 (bins: a fixture)
 
 VERSIONS = ["1.20", "1.23", "1.25", "1.26", "1.29", "1.31", "1.35"]
 
@@ -26,16 +25,7 @@ def vnode(request, sim, tmp_path):
 
 def test_the_demo_scenario_holds_on_every_kubelet_release(vnode, bins):
     node = vnode
-    a = node.admit("a", core=30, memory=16)
-    b = node.admit("b", core=70, memory=32)
-    for r in (a, b):
-        assert r["admitted"], r
-        assert r["containers"][0]["start"]["started"], r
-    ca, cb = node.container(a, "a"), node.container(b, "b")
-    gpu = lambda c: c.config["gpu"][0]  # noqa: E731
-    assert (gpu(ca)["memory_mib"], gpu(ca)["core"]) == (4096, 30)
-    assert (gpu(cb)["memory_mib"], gpu(cb)["core"]) == (8192, 70)
-    assert gpu(ca)["uuid"] == gpu(cb)["uuid"], "best fit: both on one GPU"
+    ca, _ = demo_pods(node)
     got_a, out_a = fill(ca, bins, 8192)
     assert 3072 <= got_a <= 4096 - 300 and "refused" in out_a, out_a
     # a refused request says why

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from node_common import CORE, Node, bins, wait_for  # noqa: F401 (bins: a fixture)
+from node_common import CORE, Node, bins, demo_pods, fill, wait_for  # noqa: F401 (bins: a fixture)
 from vcuda_common import region_slots
 
 MiB = 1 << 20
@@ -23,31 +23,10 @@ def node(sim, tmp_path):
     n.close()
 
 
-def fill(container, bins, max_mib, step=256):
-    """Run fill in the container: returns (MiB it got, what it printed)."""
-    p = container.popen([bins["fill"], step, max_mib], stdin=subprocess.PIPE)
-    out = ""
-    for line in p.stdout:
-        out += line
-        if "holds" in line or "failed" in line:
-            break
-    p.stdin.close()
-    p.wait(timeout=30)
-    held = [int(w) for line in out.splitlines() if "holds" in line for w in line.split() if w.isdigit()]
-    return (held[0] if held else 0), out
-
 
 def test_two_pods_share_a_gpu_each_held_to_its_quota_and_share(node, bins):
-    a = node.admit("a", core=30, memory=16)
-    b = node.admit("b", core=70, memory=32)
-    for r in (a, b):
-        assert r["admitted"], r
-        assert r["containers"][0]["start"]["started"], r
-    ca, cb = node.container(a, "a"), node.container(b, "b")
+    ca, cb = demo_pods(node)
     gpu = lambda c: c.config["gpu"][0]  # noqa: E731
-    assert (gpu(ca)["memory_mib"], gpu(ca)["core"]) == (4096, 30)
-    assert (gpu(cb)["memory_mib"], gpu(cb)["core"]) == (8192, 70)
-    assert gpu(ca)["uuid"] == gpu(cb)["uuid"], "best fit: both on one GPU"
     # The metrics show each container's share and quota, and the GPU's allocated total.
     series = lambda pod: dict(namespace="default", pod=pod, container="main")  # noqa: E731
     wait_for("the metrics", lambda: node.metric("vcuda_container_core_share_percent", **series("b")))
