@@ -6,6 +6,7 @@ use std::ffi::{c_uint, c_void};
 
 use crate::driver::*;
 use crate::errors::*;
+use crate::export::ClsDtors;
 use crate::ffi::*;
 
 /// Create a context on `dev`, charging its overhead. With `id`, reuse that handle (primary
@@ -44,9 +45,12 @@ pub fn create_ctx(
     Ok(id)
 }
 
-/// Destroy context `id` and everything allocated in it; its queued work is discarded.
-pub fn destroy_ctx(d: &Driver, inner: &mut Inner, id: u64) -> R {
+/// Destroy context `id` and everything allocated in it; its queued work is discarded. Returns
+/// the context-local storage destructors owed to the runtime, to run once `inner` is
+/// unlocked.
+pub fn destroy_ctx(d: &Driver, inner: &mut Inner, id: u64) -> Result<ClsDtors, CUresult> {
     let ctx = inner.ctxs.remove(&id).ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+    let dtors = crate::export::cls_drain(id);
     let doomed: Vec<u64> = inner
         .allocs
         .iter()
@@ -75,7 +79,7 @@ pub fn destroy_ctx(d: &Driver, inner: &mut Inner, id: u64) -> R {
     d.uncharge(ctx.dev, ctx.charged);
     d.sim(d.st.destroy_queue(ctx.dev, ctx.queue, &d.proc))?;
     d.st.add_context(ctx.dev, &d.proc, -1);
-    Ok(())
+    Ok(dtors)
 }
 
 fn remove_from_stack(id: u64) {
@@ -108,7 +112,7 @@ fn ctx_create(pctx: Out<CUcontext>, flags: c_uint, dev: CUdevice) -> R {
 }
 
 /// The context a call addresses: `ctx`, or the current one when NULL.
-fn ctx_or_current(d: &Driver, inner: &Inner, ctx: CUcontext) -> Result<u64, CUresult> {
+pub fn ctx_or_current(d: &Driver, inner: &Inner, ctx: CUcontext) -> Result<u64, CUresult> {
     if ctx.is_null() {
         return d.current(inner);
     }
@@ -131,7 +135,8 @@ pub fn synchronize(d: &Driver, id: u64) -> R {
     Ok(())
 }
 
-fn retain_primary(d: &Driver, dev: usize) -> Result<u64, CUresult> {
+/// Retain device `dev`'s (config index) primary context, creating it on first use.
+pub fn retain_primary(d: &Driver, dev: usize) -> Result<u64, CUresult> {
     let mut inner = d.inner.lock();
     let p = inner.primary[dev];
     let id = match p.ctx {
@@ -156,10 +161,11 @@ fn release_primary(dev: CUdevice) -> R {
     };
     inner.primary[dev].refs -= 1;
     if inner.primary[dev].refs == 0 {
-        destroy_ctx(d, &mut inner, id)?;
+        let dtors = destroy_ctx(d, &mut inner, id)?;
         inner.primary[dev].ctx = None;
         drop(inner);
         remove_from_stack(id);
+        dtors.run();
     }
     Ok(())
 }
@@ -170,13 +176,18 @@ fn reset_primary(dev: CUdevice) -> R {
     let mut inner = d.inner.lock();
     let p = inner.primary[dev];
     if let Some(id) = p.ctx {
-        destroy_ctx(d, &mut inner, id)?;
-        if p.refs > 0 {
+        let dtors = destroy_ctx(d, &mut inner, id)?;
+        let recreated = if p.refs > 0 {
             // The handle stays valid for those who retained it, with fresh state.
-            create_ctx(d, &mut inner, dev, p.flags, true, Some(id))?;
+            create_ctx(d, &mut inner, dev, p.flags, true, Some(id)).map(|_| ())
         } else {
             inner.primary[dev].ctx = None;
-        }
+            Ok(())
+        };
+        drop(inner);
+        // The runtime learns of the reset through its storage's destructors.
+        dtors.run();
+        recreated?;
     }
     Ok(())
 }
@@ -436,14 +447,15 @@ fn cuCtxDestroy_body(ctx: CUcontext) -> R {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let id = ctx.id();
-    {
+    let dtors = {
         let mut inner = d.inner.lock();
         if inner.ctxs.get(&id).is_some_and(|c| c.primary) {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
-        destroy_ctx(d, &mut inner, id)?;
-    }
+        destroy_ctx(d, &mut inner, id)?
+    };
     remove_from_stack(id);
+    dtors.run();
     Ok(())
 }
 

@@ -301,6 +301,18 @@ pub fn init(flags: u32) -> R {
     }
 }
 
+/// gpusim's diagnostic log: one line on stderr, `gpusim: <message>`, when `GPUSIM_LOG` is set
+/// to anything but empty or `0`. For what a user needs to know when something the driver
+/// does not implement is asked for (an unknown export table).
+pub fn log(msg: std::fmt::Arguments) {
+    static ON: OnceLock<bool> = OnceLock::new();
+    let on = *ON
+        .get_or_init(|| std::env::var_os("GPUSIM_LOG").is_some_and(|v| !v.is_empty() && v != "0"));
+    if on {
+        eprintln!("gpusim: {msg}");
+    }
+}
+
 /// Report why the simulator cannot start (once per process): `CUDA_ERROR_SYSTEM_NOT_READY`.
 fn not_ready(e: gpusim_core::SimError) -> CUresult {
     if !REPORTED.swap(true, Relaxed) {

@@ -357,6 +357,12 @@ fn module_load(out: Out<CUmodule>, bytes: Vec<u8>) -> R {
     out.write(Handle::from_id(id))
 }
 
+/// Load the image at `p` (as `cuModuleLoadData`) into the current context: the CUDA
+/// runtime's cubin→module entry points ([`crate::export`]).
+pub fn load_image_ptr(out: Out<CUmodule>, p: *const c_void) -> R {
+    module_load(out, image_from_ptr(p)?)
+}
+
 fn library_load(out: Out<CUlibrary>, bytes: Vec<u8>) -> R {
     let d = driver()?;
     if out.is_null() {
