@@ -1,7 +1,9 @@
 """The CUDA runtime (libcudart 12.9 from the nvidia-cuda-runtime-cu12 wheel) on gpusim: it
 initialises through gpusim's export tables (the integrity check among them), then a C
 program on the runtime API allocates, sets, copies and frees, bare and under libvcuda with
-a quota."""
+a quota; and a kernel registered the way nvcc's host code does it (a hand-built fatbin
+behind a `__fatBinC_Wrapper_t`, which cudart hands to cuLibraryLoadData) is launched with
+cudaLaunchKernel and timed with events."""
 
 import pathlib
 
@@ -10,6 +12,7 @@ import pytest
 from gpusim_harness import C_COMMON
 
 PROBE = C_COMMON / "cudart_basic.c"
+LAUNCH = C_COMMON / "cudart_launch.c"
 
 
 def cudart_lib_dir():
@@ -31,10 +34,19 @@ def probe(cc, tmp_path_factory):
     return cc(PROBE, out, f"-L{lib}", "-l:libcudart.so.12", f"-Wl,-rpath,{lib}")
 
 
+@pytest.fixture(scope="module")
+def launch_probe(cc, tmp_path_factory):
+    lib = cudart_lib_dir()
+    out = tmp_path_factory.mktemp("cudart") / "cudart_launch"
+    return cc(LAUNCH, out, f"-L{lib}", "-l:libcudart.so.12", f"-Wl,-rpath,{lib}")
+
+
 def parse(stdout):
     """{call: [(rc, rest), ...]} from the probe's lines."""
     calls = {}
     for line in stdout.splitlines():
+        if line.startswith("registered"):
+            continue
         head, rest = line[:22].strip(), line[22:].split(None, 2)
         calls.setdefault(head, []).append((int(rest[0]), rest[2] if len(rest) > 2 else ""))
     return calls
@@ -103,3 +115,90 @@ def test_runtime_under_vcuda_sees_the_quota(sim, probe):
     assert c["cudaGetLastError"] == [(2, "")]
     assert c["cudaMalloc(64 MiB)"] == [(0, ""), (0, "after the failure"), (0, "after the reset")]
     assert [rc for rc, _ in c["cudaFree"]] == [0, 0, 0]
+
+
+def check_launch(p):
+    c = parse(p.stdout)
+    launches = c["cudaLaunchKernel"]
+    assert [rc for rc, _ in launches[:3]] == [0, 0, 0], p.stdout + p.stderr
+    rc, elapsed = c["cudaEventElapsedTime"][0]
+    ms = float(elapsed.split()[0])
+    # gpusim's cost model: a kernel named *_20ms runs 20 ms.
+    assert rc == 0 and 19.5 <= ms <= 25.0, p.stdout
+    # The fatbin was read, not taken on trust: a registered name it does not declare fails
+    # (cuLibraryGetKernel: CUDA_ERROR_NOT_FOUND -> cudaErrorSymbolNotFound), once.
+    assert launches[3] == (500, "not_in_the_fatbin"), p.stdout
+    assert c["cudaGetLastError"] == [(500, "")]
+    assert [rc for rc, _ in c["cudaDeviceSynchronize"]] == [0, 0, 0]
+    assert c["cudaFree"] == [(0, "")]
+
+
+@pytest.mark.parametrize("loading", ["LAZY", "EAGER"])
+def test_registered_fatbin_kernel_launches_on_gpusim(sim, launch_probe, loading):
+    sim.env["CUDA_MODULE_LOADING"] = loading
+    p = sim.run([launch_probe])
+    print(p.stdout)
+    check_launch(p)
+
+
+def test_registered_fatbin_kernel_launches_under_vcuda(sim, launch_probe):
+    box = sim.container(4096)
+    p = box.run([launch_probe])
+    print(p.stdout)
+    check_launch(p)
+
+
+def test_malformed_fatbin_is_an_invalid_image(sim, launch_probe):
+    """The probe's fatbin with its entries declared 1 TiB long: gpusim refuses the image
+    (CUDA_ERROR_INVALID_IMAGE, which cudart reports as cudaErrorInvalidKernelImage) rather
+    than read past it, and the process carries on."""
+    p = sim.run([launch_probe, "broken"])
+    print(p.stdout)
+    c = parse(p.stdout)
+    launches = c["cudaLaunchKernel"]
+    assert launches[0] == (200, "warm-up"), p.stdout
+    # cudart's own bookkeeping answers a second launch of the same failed kernel with
+    # cudaErrorInvalidResourceHandle; nothing launches.
+    assert all(rc != 0 for rc, _ in launches), p.stdout
+    assert c["cudaMalloc"] == [(0, "")]
+    assert c["cudaFree"] == [(0, "")]
+
+
+CUDA13_PROBE = r"""
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+def proc(name, version):
+    fn, status = ctypes.c_void_p(), ctypes.c_int(-1)
+    rc = cuda.cuGetProcAddress_v2(name.encode(), ctypes.byref(fn), version, 0, ctypes.byref(status))
+    return rc, status.value, fn.value
+# Before cuInit: the configured cuda_version bounds the versions callers may ask for.
+print("before", proc("cuCtxGetDevice", 13000), proc("cuMemcpyBatchAsync", 13000)[:2], proc("cuMemAlloc", 13060)[0])
+assert cuda.cuInit(0) == 0
+ctx, dev = ctypes.c_void_p(), ctypes.c_int(-1)
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 1) == 0
+get_dev = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_void_p)(proc("cuCtxGetDevice", 13000)[2])
+sync = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(proc("cuCtxSynchronize", 13000)[2])
+print("no_current", get_dev(ctypes.byref(dev), None), sync(None))
+print("explicit", get_dev(ctypes.byref(dev), ctx), dev.value, sync(ctx))
+assert cuda.cuCtxSetCurrent(ctx) == 0
+dev.value = -1
+print("current", get_dev(ctypes.byref(dev), None), dev.value, sync(None))
+"""
+
+
+def test_cuda13_abis_and_version_before_init(sim):
+    """With cuda_version = 13050 configured, cuGetProcAddress takes 13.x requests before
+    cuInit (cudart 13 asks then) and hands out the 13.0 ABIs cudart 13 requires."""
+    text = sim.run([sim.env["PATH"].split(":")[0] + "/gpusim", "default-config"]).stdout
+    sim.write_config(text.replace("cuda_version = 12090", "cuda_version = 13050"))
+    p = sim.python(CUDA13_PROBE)
+    print(p.stdout)
+    lines = dict(line.split(" ", 1) for line in p.stdout.splitlines())
+    before = lines["before"]
+    assert before.startswith("(0, 0, ") and "None" not in before.split(")")[0], before
+    # A 13.0 ABI gpusim does not implement is "symbol not found", not the 12.x one; a
+    # version past the configured one is refused.
+    assert before.endswith("(0, 1) 1"), before
+    assert lines["no_current"] == "201 201"  # CUDA_ERROR_INVALID_CONTEXT
+    assert lines["explicit"] == "0 1 0"
+    assert lines["current"] == "0 1 0"

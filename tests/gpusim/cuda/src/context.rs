@@ -299,6 +299,13 @@ exports! {
         let id = d.current(&inner)?;
         dev.write(d.ordinal(inner.ctxs[&id].dev)?)
     }
+    fn cuCtxGetDevice_v2(dev: Out<CUdevice>, ctx: CUcontext) {
+        // CUDA 13.0's ABI: the device of `ctx`, or of the current context when NULL.
+        let d = driver()?;
+        let inner = d.inner.lock();
+        let id = ctx_or_current(d, &inner, ctx)?;
+        dev.write(d.ordinal(inner.ctxs[&id].dev)?)
+    }
     fn cuCtxGetFlags(flags: Out<c_uint>) {
         let d = driver()?;
         let inner = d.inner.lock();
@@ -330,6 +337,12 @@ exports! {
     fn cuCtxSynchronize() {
         let d = driver()?;
         let id = d.current(&d.inner.lock())?;
+        synchronize(d, id)
+    }
+    fn cuCtxSynchronize_v2(ctx: CUcontext) {
+        // CUDA 13.0's ABI: wait for `ctx`, or for the current context when NULL.
+        let d = driver()?;
+        let id = ctx_or_current(d, &d.inner.lock(), ctx)?;
         synchronize(d, id)
     }
     fn cuCtxGetLimit(value: Out<usize>, limit: u32) {

@@ -295,7 +295,7 @@ exports! {
 
 /// The CUDA version the configuration names, for `cuDriverGetVersion` before `cuInit`
 /// (falls back to the built-in default's).
-fn configured_cuda_version() -> i32 {
+pub fn configured_cuda_version() -> i32 {
     std::env::var_os("GPUSIM_CONFIG")
         .and_then(|p| gpusim_core::Config::load(std::path::Path::new(&p)).ok())
         .map_or(gpusim_core::Config::default_config().cuda_version, |c| {

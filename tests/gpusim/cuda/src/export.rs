@@ -111,7 +111,7 @@ pub struct FatbinWrapper {
     pub filename_or_fatbins: *const c_void,
 }
 
-pub const FATBIN_WRAPPER_MAGIC: u32 = 0x4662_43B1;
+pub use crate::module::FATBIN_WRAPPER_MAGIC;
 
 /// Load the fatbin a wrapper points to as a module of the current context.
 fn load_wrapper(out: Out<CUmodule>, wrapper: In<FatbinWrapper>) -> R {

@@ -1,6 +1,9 @@
 //! Modules, libraries and functions. Any image loads: PTX text (its `.entry` kernels and
-//! `.global` variables are read), an ELF cubin (its FUNC and OBJECT symbols), a fatbin (the
-//! cubins inside it), or anything else (then every function name resolves). Loading a module
+//! `.global` variables are read), an ELF cubin (its FUNC and OBJECT symbols), a fatbin (its
+//! entries walked: PTX and ELF entries read, a compressed one makes every name resolve), a
+//! fatbin wrapper `__fatBinC_Wrapper_t` as cudart passes it (followed to its fatbin), or
+//! anything else (then every function name resolves). A fatbin whose structure does not add
+//! up fails with `CUDA_ERROR_INVALID_IMAGE`. Loading a module
 //! costs `module_overhead_kib` of device memory in its context. See `gpusim_core::cost` for
 //! how long a function runs.
 
@@ -76,7 +79,7 @@ pub fn parse_ptx(text: &str) -> Image {
 }
 
 fn rd<const N: usize>(b: &[u8], at: usize) -> Option<[u8; N]> {
-    b.get(at..at + N)?.try_into().ok()
+    b.get(at..at.checked_add(N)?)?.try_into().ok()
 }
 
 /// Read FUNC and OBJECT symbols of a 64-bit little-endian ELF.
@@ -88,12 +91,12 @@ pub fn parse_elf(b: &[u8]) -> Option<Image> {
     let shentsize = u16::from_le_bytes(rd(b, 0x3A)?) as usize;
     let shnum = u16::from_le_bytes(rd(b, 0x3C)?) as usize;
     let section = |i: usize| -> Option<(u32, usize, usize, u32)> {
-        let at = shoff + i * shentsize;
+        let at = shoff.checked_add(i.checked_mul(shentsize)?)?;
         Some((
-            u32::from_le_bytes(rd(b, at + 4)?),
-            u64::from_le_bytes(rd(b, at + 0x18)?) as usize,
-            u64::from_le_bytes(rd(b, at + 0x20)?) as usize,
-            u32::from_le_bytes(rd(b, at + 0x28)?),
+            u32::from_le_bytes(rd(b, at.checked_add(4)?)?),
+            u64::from_le_bytes(rd(b, at.checked_add(0x18)?)?) as usize,
+            u64::from_le_bytes(rd(b, at.checked_add(0x20)?)?) as usize,
+            u32::from_le_bytes(rd(b, at.checked_add(0x28)?)?),
         ))
     };
     let mut img = Image {
@@ -106,11 +109,12 @@ pub fn parse_elf(b: &[u8]) -> Option<Image> {
             continue; // SHT_SYMTAB
         }
         let (_, stroff, strsize, _) = section(link as usize)?;
-        let strtab = b.get(stroff..stroff + strsize)?;
-        for s in (0..size / 24).map(|k| off + k * 24) {
+        let strtab = b.get(stroff..stroff.checked_add(strsize)?)?;
+        for k in 0..size / 24 {
+            let s = off.checked_add(k * 24)?;
             let name_at = u32::from_le_bytes(rd(b, s)?) as usize;
-            let info = *b.get(s + 4)?;
-            let sym_size = u64::from_le_bytes(rd(b, s + 16)?);
+            let info = *b.get(s.checked_add(4)?)?;
+            let sym_size = u64::from_le_bytes(rd(b, s.checked_add(16)?)?);
             let name = strtab.get(name_at..)?.split(|&c| c == 0).next()?;
             let name = String::from_utf8_lossy(name).into_owned();
             match info & 0xf {
@@ -123,75 +127,197 @@ pub fn parse_elf(b: &[u8]) -> Option<Image> {
     Some(img)
 }
 
-/// Size of an image the caller passed without a length.
-fn image_len(p: *const u8) -> usize {
-    let head = |n: usize| {
-        // SAFETY: the caller passed a pointer to a complete image; we only read headers
-        // whose presence the magic number guarantees (4, then 16 or 64 bytes).
-        unsafe { std::slice::from_raw_parts(p, n) }
+/// `__fatBinC_Wrapper_t`'s magic: what nvcc's host code registers and cudart hands to
+/// `cuLibraryLoadData` (layout: i32 magic, i32 version 1 or 2, the fatbin, a filename or
+/// prelinked fatbins).
+pub const FATBIN_WRAPPER_MAGIC: u32 = 0x4662_43B1;
+/// A fatbin container's magic.
+pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
+const ELF_MAGIC: u32 = u32::from_le_bytes(*b"\x7fELF");
+/// A fatbin entry's header as far as gpusim reads it: u16 kind, u16 version, u32 header
+/// size, u64 payload size (padded to 8), u32 compressed size, u32, u32 minor, u32 sm,
+/// u32 ×2, u64 flags (at 40), u64, u64 uncompressed size.
+const ENTRY_HEADER_MIN: usize = 64;
+const ENTRY_PTX: u16 = 1;
+const ENTRY_ELF: u16 = 2;
+const FLAG_COMPRESSED_LZ4: u64 = 0x2000;
+const FLAG_COMPRESSED_ZSTD: u64 = 0x8000;
+/// The largest image gpusim copies (a sanity bound on lengths read from headers).
+const MAX_IMAGE: usize = 1 << 30;
+
+fn u16_at(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(rd(b, at)?))
+}
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(rd(b, at)?))
+}
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(rd(b, at)?))
+}
+
+/// The first four bytes at `p` as a little-endian magic number, or `None` when a NUL comes
+/// first (then the image is text, and reading on could pass its end).
+fn magic_at(p: *const u8) -> Option<u32> {
+    let mut m = [0u8; 4];
+    for (i, byte) in m.iter_mut().enumerate() {
+        // SAFETY: `p` points to an image; bytes 0..i were not NUL, so byte i is still part
+        // of it (a NUL-terminated text has its terminator ahead, a binary image is longer
+        // than its 4-byte magic).
+        *byte = unsafe { p.add(i).read() };
+        if *byte == 0 {
+            return None;
+        }
+    }
+    Some(u32::from_le_bytes(m))
+}
+
+/// The header-declared length of the fatbin container at `p` (magic already checked).
+fn fatbin_len(p: *const u8) -> Result<usize, CUresult> {
+    // SAFETY: the fatbin magic at `p` promises its 16-byte container header.
+    let h = unsafe { std::slice::from_raw_parts(p, 16) };
+    let header = u16_at(h, 6).unwrap_or(0) as usize;
+    let size = u64_at(h, 8).unwrap_or(u64::MAX);
+    if u16_at(h, 4) != Some(1) || header < 16 {
+        return Err(CUDA_ERROR_INVALID_IMAGE);
+    }
+    usize::try_from(size)
+        .ok()
+        .and_then(|s| s.checked_add(header))
+        .filter(|&n| n <= MAX_IMAGE)
+        .ok_or(CUDA_ERROR_INVALID_IMAGE)
+}
+
+/// Copy the image the caller passed without a length: an ELF, a fatbin, a fatbin wrapper
+/// (followed to its fatbin), or NUL-terminated text (PTX), as the driver reads them.
+fn image_from_ptr(p: *const c_void) -> Result<Vec<u8>, CUresult> {
+    if p.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut p = p.cast::<u8>();
+    let len = match magic_at(p) {
+        Some(FATBIN_WRAPPER_MAGIC) => {
+            // SAFETY: the wrapper magic promises a `__fatBinC_Wrapper_t` (24 bytes, maybe
+            // unaligned in a hand-built image, hence read_unaligned).
+            let w = unsafe { p.cast::<crate::export::FatbinWrapper>().read_unaligned() };
+            if !(1..=2).contains(&w.version) || w.data.is_null() {
+                return Err(CUDA_ERROR_INVALID_IMAGE);
+            }
+            p = w.data.cast();
+            if magic_at(p) != Some(FATBIN_MAGIC) {
+                return Err(CUDA_ERROR_INVALID_IMAGE);
+            }
+            fatbin_len(p)?
+        }
+        Some(FATBIN_MAGIC) => fatbin_len(p)?,
+        Some(ELF_MAGIC) => {
+            // SAFETY: an ELF image starts with its 64-byte file header.
+            let h = unsafe { std::slice::from_raw_parts(p, 64) };
+            let shoff = u64_at(h, 0x28).unwrap_or(0) as usize;
+            let shentsize = u16_at(h, 0x3A).unwrap_or(0) as usize;
+            let shnum = u16_at(h, 0x3C).unwrap_or(0) as usize;
+            shoff.saturating_add(shentsize * shnum).clamp(64, MAX_IMAGE)
+        }
+        // SAFETY: anything else is NUL-terminated text (PTX), as the driver reads it.
+        _ => unsafe { std::ffi::CStr::from_ptr(p.cast()) }
+            .to_bytes()
+            .len(),
     };
-    if head(4) == b"\x7fELF" {
-        let h = head(64);
-        let shoff = u64::from_le_bytes(h[0x28..0x30].try_into().unwrap_or([0; 8])) as usize;
-        let shentsize = u16::from_le_bytes([h[0x3A], h[0x3B]]) as usize;
-        let shnum = u16::from_le_bytes([h[0x3C], h[0x3D]]) as usize;
-        return (shoff + shentsize * shnum).min(1 << 30);
+    // SAFETY: `len` is the length the image's own header (or terminator) declares.
+    Ok(unsafe { std::slice::from_raw_parts(p, len) }.to_vec())
+}
+
+/// Collects the kernels and globals of a fatbin's entries, each name once.
+#[derive(Default)]
+struct Names {
+    functions: Vec<String>,
+    globals: Vec<(String, u64)>,
+    seen: std::collections::HashSet<(bool, String)>,
+}
+
+impl Names {
+    fn add(&mut self, img: Image) {
+        for f in img.functions.unwrap_or_default() {
+            if self.seen.insert((true, f.clone())) {
+                self.functions.push(f);
+            }
+        }
+        for (g, size) in img.globals {
+            if self.seen.insert((false, g.clone())) {
+                self.globals.push((g, size));
+            }
+        }
     }
-    if head(4) == 0xBA55_ED50u32.to_le_bytes() {
-        let h = head(16);
-        let header = u16::from_le_bytes([h[6], h[7]]) as usize;
-        let size = u64::from_le_bytes(h[8..16].try_into().unwrap_or([0; 8])) as usize;
-        return (header + size).min(1 << 30);
+}
+
+/// Walk a fatbin container's entries: PTX entries give their `.entry` kernels and
+/// `.global` variables, ELF entries their symbols. A compressed entry or one of a kind
+/// gpusim does not read makes every name resolve (its names are unknown); a structure that
+/// does not add up is `CUDA_ERROR_INVALID_IMAGE`.
+pub fn parse_fatbin(b: &[u8]) -> Result<Image, CUresult> {
+    const BAD: CUresult = CUDA_ERROR_INVALID_IMAGE;
+    if u32_at(b, 0) != Some(FATBIN_MAGIC) || u16_at(b, 4) != Some(1) {
+        return Err(BAD);
     }
-    // SAFETY: anything else is treated as NUL-terminated text (PTX), as the driver does.
-    unsafe { std::ffi::CStr::from_ptr(p.cast()) }
-        .to_bytes()
-        .len()
+    let header = u16_at(b, 6).ok_or(BAD)? as usize;
+    let size = usize::try_from(u64_at(b, 8).ok_or(BAD)?).map_err(|_| BAD)?;
+    let end = header.checked_add(size).ok_or(BAD)?;
+    if header < 16 || end > b.len() {
+        return Err(BAD);
+    }
+    let mut names = Names::default();
+    let mut unreadable = false;
+    let mut at = header;
+    while at < end {
+        let e = &b[at..end];
+        let kind = u16_at(e, 0).ok_or(BAD)?;
+        let head = u32_at(e, 4).ok_or(BAD)? as usize;
+        let payload = u64_at(e, 8).ok_or(BAD)?;
+        let flags = u64_at(e, 40).ok_or(BAD)?;
+        if head < ENTRY_HEADER_MIN || head > e.len() {
+            return Err(BAD);
+        }
+        let payload = usize::try_from(payload)
+            .ok()
+            .filter(|&n| n <= e.len() - head)
+            .ok_or(BAD)?;
+        let data = &e[head..head + payload];
+        if flags & (FLAG_COMPRESSED_LZ4 | FLAG_COMPRESSED_ZSTD) != 0 {
+            unreadable = true;
+        } else if kind == ENTRY_PTX {
+            let text = data.split(|&c| c == 0).next().unwrap_or_default();
+            names.add(parse_ptx(&String::from_utf8_lossy(text)));
+        } else if kind == ENTRY_ELF {
+            names.add(parse_elf(data).ok_or(BAD)?);
+        } else {
+            unreadable = true;
+        }
+        at += head + payload;
+    }
+    Ok(Image {
+        functions: (!unreadable).then_some(names.functions),
+        globals: names.globals,
+    })
 }
 
 /// Understand an image in memory.
-pub fn parse_image(bytes: &[u8]) -> Image {
+pub fn parse_image(bytes: &[u8]) -> Result<Image, CUresult> {
     if let Some(img) = parse_elf(bytes) {
-        return img;
+        return Ok(img);
     }
-    if bytes.starts_with(&0xBA55_ED50u32.to_le_bytes()) {
-        // A fatbin: read every embedded cubin (compressed entries stay unreadable).
-        let mut functions = Vec::new();
-        let mut globals = Vec::new();
-        let mut found = false;
-        let mut i = 0;
-        while let Some(off) = bytes[i..].windows(4).position(|w| w == b"\x7fELF") {
-            if let Some(img) = parse_elf(&bytes[i + off..]) {
-                found = true;
-                functions.extend(img.functions.unwrap_or_default());
-                globals.extend(img.globals);
-            }
-            i += off + 4;
-        }
-        if let Ok(text) = std::str::from_utf8(bytes) {
-            if text.contains(".entry") {
-                let img = parse_ptx(text);
-                functions.extend(img.functions.unwrap_or_default());
-                found = true;
-            }
-        }
-        return if found {
-            Image {
-                functions: Some(functions),
-                globals,
-            }
-        } else {
-            Image::default()
-        };
+    match u32_at(bytes, 0) {
+        Some(FATBIN_MAGIC) => return parse_fatbin(bytes),
+        // A wrapper only points to its fatbin: it cannot stand in a file or a copy.
+        Some(FATBIN_WRAPPER_MAGIC) => return Err(CUDA_ERROR_INVALID_IMAGE),
+        _ => {}
     }
-    match std::str::from_utf8(bytes) {
+    Ok(match std::str::from_utf8(bytes) {
         Ok(text)
             if text.contains(".version") || text.contains(".entry") || text.contains(".target") =>
         {
             parse_ptx(text)
         }
         _ => Image::default(),
-    }
+    })
 }
 
 /// Load `image` as a module of context `ctx`: charge its overhead, allocate its globals.
@@ -337,15 +463,6 @@ fn read_file(path: &str) -> Result<Vec<u8>, CUresult> {
     std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)
 }
 
-fn image_from_ptr(p: *const c_void) -> Result<Vec<u8>, CUresult> {
-    if p.is_null() {
-        return Err(CUDA_ERROR_INVALID_VALUE);
-    }
-    let n = image_len(p.cast());
-    // SAFETY: image_len measured the image the caller passed.
-    Ok(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), n) }.to_vec())
-}
-
 fn module_load(out: Out<CUmodule>, bytes: Vec<u8>) -> R {
     let d = driver()?;
     if out.is_null() {
@@ -353,7 +470,8 @@ fn module_load(out: Out<CUmodule>, bytes: Vec<u8>) -> R {
     }
     let mut inner = d.inner.lock();
     let ctx = d.current(&inner)?;
-    let id = load(d, &mut inner, ctx, parse_image(&bytes), 0)?;
+    let image = parse_image(&bytes)?;
+    let id = load(d, &mut inner, ctx, image, 0)?;
     out.write(Handle::from_id(id))
 }
 
@@ -368,12 +486,13 @@ fn library_load(out: Out<CUlibrary>, bytes: Vec<u8>) -> R {
     if out.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    let image = parse_image(&bytes)?;
     let mut inner = d.inner.lock();
     let id = inner.new_id();
     inner.libraries.insert(
         id,
         Library {
-            image: parse_image(&bytes),
+            image,
             kernels: HashMap::new(),
             modules: HashMap::new(),
         },
@@ -752,7 +871,7 @@ mod tests {
 
     #[test]
     fn ptx_entries_and_globals() {
-        let img = parse_image(PTX.as_bytes());
+        let img = parse_image(PTX.as_bytes()).unwrap();
         assert_eq!(
             img.functions,
             Some(vec!["spin_1ms".to_string(), "vector_add".to_string()])
@@ -765,6 +884,201 @@ mod tests {
 
     #[test]
     fn unknown_images_resolve_any_name() {
-        assert_eq!(parse_image(b"\x01\x02binary blob").functions, None);
+        assert_eq!(parse_image(b"\x01\x02binary blob").unwrap().functions, None);
+    }
+
+    /// A fatbin entry: 64-byte header (kind, header size, padded payload size, compressed
+    /// size, flags), then the payload padded to 8.
+    fn entry(kind: u16, flags: u64, payload: &[u8]) -> Vec<u8> {
+        let padded = payload.len().div_ceil(8) * 8;
+        let mut e = vec![0u8; 64];
+        e[0..2].copy_from_slice(&kind.to_le_bytes());
+        e[2..4].copy_from_slice(&0x0101u16.to_le_bytes());
+        e[4..8].copy_from_slice(&64u32.to_le_bytes());
+        e[8..16].copy_from_slice(&(padded as u64).to_le_bytes());
+        e[16..20].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        e[28..32].copy_from_slice(&80u32.to_le_bytes());
+        e[40..48].copy_from_slice(&flags.to_le_bytes());
+        e.extend_from_slice(payload);
+        e.resize(64 + padded, 0);
+        e
+    }
+
+    fn fatbin(entries: &[Vec<u8>]) -> Vec<u8> {
+        let body: Vec<u8> = entries.concat();
+        let mut f = FATBIN_MAGIC.to_le_bytes().to_vec();
+        f.extend_from_slice(&1u16.to_le_bytes());
+        f.extend_from_slice(&16u16.to_le_bytes());
+        f.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        f.extend_from_slice(&body);
+        f
+    }
+
+    /// A 64-bit ELF with a symbol table: FUNC `elf_kernel_5ms`, OBJECT `counter` (8 bytes).
+    fn elf() -> Vec<u8> {
+        let strtab = b"\0elf_kernel_5ms\0counter\0";
+        let mut symtab = vec![0u8; 24]; // the null symbol
+        for (name, info, size) in [(1u32, 0x12u8, 0u64), (16, 0x11, 8)] {
+            let mut s = vec![0u8; 24];
+            s[0..4].copy_from_slice(&name.to_le_bytes());
+            s[4] = info;
+            s[16..24].copy_from_slice(&size.to_le_bytes());
+            symtab.extend(s);
+        }
+        let (sym_at, str_at) = (64usize, 64 + symtab.len());
+        let shoff = str_at + strtab.len();
+        let mut b = vec![0u8; 64];
+        b[..4].copy_from_slice(b"\x7fELF");
+        b[4] = 2;
+        b[5] = 1;
+        b[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
+        b[0x3A..0x3C].copy_from_slice(&64u16.to_le_bytes());
+        b[0x3C..0x3E].copy_from_slice(&3u16.to_le_bytes());
+        b.extend_from_slice(&symtab);
+        b.extend_from_slice(strtab);
+        b.extend(vec![0u8; 64]); // section 0: null
+        for (kind, off, size, link) in [
+            (2u32, sym_at, symtab.len(), 2u32),
+            (3, str_at, strtab.len(), 0),
+        ] {
+            let mut sh = vec![0u8; 64];
+            sh[4..8].copy_from_slice(&kind.to_le_bytes());
+            sh[0x18..0x20].copy_from_slice(&(off as u64).to_le_bytes());
+            sh[0x20..0x28].copy_from_slice(&(size as u64).to_le_bytes());
+            sh[0x28..0x2C].copy_from_slice(&link.to_le_bytes());
+            b.extend(sh);
+        }
+        b
+    }
+
+    fn names(img: &Image) -> Option<Vec<&str>> {
+        img.functions
+            .as_ref()
+            .map(|f| f.iter().map(String::as_str).collect())
+    }
+
+    #[test]
+    fn fatbin_ptx_entry_is_read() {
+        let img = parse_image(&fatbin(&[entry(1, 0, PTX.as_bytes())])).unwrap();
+        assert_eq!(names(&img), Some(vec!["spin_1ms", "vector_add"]));
+        assert_eq!(img.globals.len(), 2);
+    }
+
+    #[test]
+    fn fatbin_elf_entry_is_read_and_names_are_not_repeated() {
+        let ptx = ".version 8.0\n.visible .entry elf_kernel_5ms()\n{ ret; }\n";
+        let img = parse_image(&fatbin(&[
+            entry(1, 0, ptx.as_bytes()),
+            entry(2, 0, &elf()),
+            entry(2, 0, &elf()),
+        ]))
+        .unwrap();
+        assert_eq!(names(&img), Some(vec!["elf_kernel_5ms"]));
+        assert_eq!(img.globals, vec![("counter".to_string(), 8)]);
+    }
+
+    #[test]
+    fn compressed_or_unknown_entries_make_every_name_resolve() {
+        for flags in [FLAG_COMPRESSED_LZ4, FLAG_COMPRESSED_ZSTD] {
+            let img = parse_image(&fatbin(&[
+                entry(1, 0, PTX.as_bytes()),
+                entry(2, flags, b"\x28\xb5\x2f\xfdjunk"),
+            ]))
+            .unwrap();
+            assert_eq!(img.functions, None, "flags {flags:#x}");
+            assert_eq!(img.globals.len(), 2, "globals of readable entries stay");
+        }
+        assert_eq!(
+            parse_image(&fatbin(&[entry(0x40, 0, b"??")]))
+                .unwrap()
+                .functions,
+            None
+        );
+        assert_eq!(parse_image(&fatbin(&[])).unwrap().functions, Some(vec![]));
+    }
+
+    #[test]
+    fn malformed_fatbins_are_invalid_images() {
+        let good = fatbin(&[entry(1, 0, PTX.as_bytes()), entry(2, 0, &elf())]);
+        // Every truncation (the container size then overruns the bytes there are).
+        for n in 4..good.len() {
+            assert_eq!(
+                parse_image(&good[..n]),
+                Err(CUDA_ERROR_INVALID_IMAGE),
+                "cut at {n}"
+            );
+        }
+        let patched = |at: usize, v: &[u8]| {
+            let mut b = good.clone();
+            b[at..at + v.len()].copy_from_slice(v);
+            b
+        };
+        let bad = [
+            patched(4, &2u16.to_le_bytes()),              // container version
+            patched(6, &8u16.to_le_bytes()),              // container header too small
+            patched(8, &u64::MAX.to_le_bytes()),          // container size
+            patched(16 + 4, &8u32.to_le_bytes()),         // entry header too small
+            patched(16 + 4, &u32::MAX.to_le_bytes()),     // entry header too large
+            patched(16 + 8, &(1u64 << 40).to_le_bytes()), // payload past the container
+            patched(16 + 8, &8u64.to_le_bytes()),         // next entry lands in the PTX
+            patched(16 + 64 + PTX.len().div_ceil(8) * 8 + 64, b"GARB"), // ELF entry not an ELF
+        ];
+        for (i, b) in bad.iter().enumerate() {
+            assert_eq!(parse_image(b), Err(CUDA_ERROR_INVALID_IMAGE), "case {i}");
+        }
+        // Garbage after a valid magic.
+        let mut garbage = FATBIN_MAGIC.to_le_bytes().to_vec();
+        garbage.extend((0..200u32).map(|i| (i * 37 % 251) as u8));
+        assert_eq!(parse_image(&garbage), Err(CUDA_ERROR_INVALID_IMAGE));
+        // A wrapper cannot be read from a copy (it only points to its fatbin).
+        assert_eq!(
+            parse_image(&FATBIN_WRAPPER_MAGIC.to_le_bytes()),
+            Err(CUDA_ERROR_INVALID_IMAGE)
+        );
+    }
+
+    #[test]
+    fn pointer_images_follow_the_wrapper() {
+        let fb = fatbin(&[entry(1, 0, PTX.as_bytes())]);
+        for version in [1, 2] {
+            let w = crate::export::FatbinWrapper {
+                magic: FATBIN_WRAPPER_MAGIC,
+                version,
+                data: fb.as_ptr().cast(),
+                filename_or_fatbins: std::ptr::null(),
+            };
+            let bytes = image_from_ptr((&w as *const crate::export::FatbinWrapper).cast()).unwrap();
+            assert_eq!(bytes, fb);
+            assert_eq!(
+                names(&parse_image(&bytes).unwrap()),
+                Some(vec!["spin_1ms", "vector_add"])
+            );
+        }
+        let wrap = |version: u32, data: *const c_void| crate::export::FatbinWrapper {
+            magic: FATBIN_WRAPPER_MAGIC,
+            version,
+            data,
+            filename_or_fatbins: std::ptr::null(),
+        };
+        let text = b"not a fatbin\0";
+        for w in [
+            wrap(3, fb.as_ptr().cast()),
+            wrap(1, std::ptr::null()),
+            wrap(2, text.as_ptr().cast()),
+        ] {
+            let p = (&w as *const crate::export::FatbinWrapper).cast();
+            assert_eq!(image_from_ptr(p), Err(CUDA_ERROR_INVALID_IMAGE));
+        }
+        // A bare fatbin, an ELF and short text by pointer; a bad container header fails.
+        assert_eq!(image_from_ptr(fb.as_ptr().cast()).unwrap(), fb);
+        let e = elf();
+        assert_eq!(image_from_ptr(e.as_ptr().cast()).unwrap(), e);
+        assert_eq!(image_from_ptr(c"ab".as_ptr().cast()).unwrap(), b"ab");
+        let mut big = fb.clone();
+        big[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert_eq!(
+            image_from_ptr(big.as_ptr().cast()),
+            Err(CUDA_ERROR_INVALID_IMAGE)
+        );
     }
 }

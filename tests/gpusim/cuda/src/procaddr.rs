@@ -56,19 +56,60 @@ where
 }
 
 fn leak(s: &str) -> &'static str {
-    // Symbols come from the static table, so this is a no-op lookup, not an allocation.
-    VARIANTS
+    // Symbols come from the static tables, so this is a no-op lookup, not an allocation.
+    variants()
         .iter()
         .find(|v| v.symbol == s)
         .map_or("", |v| v.symbol)
 }
 
-/// The driver's CUDA version, for the "newer than the driver" check.
+/// The driver's CUDA version, for the "newer than the driver" check. cudart asks before
+/// `cuInit`, so without a driver it is the configured version, as `cuDriverGetVersion`'s.
 fn driver_version() -> i32 {
     match crate::driver::driver() {
         Ok(d) => d.st.config.cuda_version,
-        Err(_) => 12090,
+        Err(_) => crate::device::configured_cuda_version(),
     }
+}
+
+/// CUDA 13.0 ABIs of entry points the generated table (12.9 headers) lists only in their
+/// 12.x form: what cudart 13 requires at version 13000 and up.
+static CUDA13_VARIANTS: &[Variant] = &[
+    Variant {
+        base: "cuCtxGetDevice",
+        version: 13000,
+        symbol: "cuCtxGetDevice_v2",
+        per_thread: false,
+    },
+    Variant {
+        base: "cuCtxSynchronize",
+        version: 13000,
+        symbol: "cuCtxSynchronize_v2",
+        per_thread: false,
+    },
+];
+
+/// Entry points whose ABI changed in a CUDA 13 release gpusim does not implement: asked for
+/// at or after that version they are "symbol not found" (a NULL pointer cudart tolerates)
+/// rather than the older ABI under the newer name.
+const CUDA13_UNIMPLEMENTED: &[(&str, u32)] = &[
+    ("cuMemcpyBatchAsync", 13000),
+    ("cuMemcpy3DBatchAsync", 13000),
+    ("cuLaunchHostFunc", 13010),
+];
+
+/// The generated table plus [`CUDA13_VARIANTS`] (those the table does not already list).
+fn variants() -> &'static [Variant] {
+    static ALL: OnceLock<Vec<Variant>> = OnceLock::new();
+    ALL.get_or_init(|| {
+        let mut all = VARIANTS.to_vec();
+        for v in CUDA13_VARIANTS {
+            if !all.iter().any(|w| w.symbol == v.symbol) {
+                all.push(*v);
+            }
+        }
+        all
+    })
 }
 
 fn get_proc(
@@ -84,7 +125,15 @@ fn get_proc(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let per_thread = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
-    let found = select(VARIANTS, name, version as u32, per_thread).and_then(|sym| {
+    let unimplemented = CUDA13_UNIMPLEMENTED
+        .iter()
+        .any(|&(base, since)| base == name && version as u32 >= since);
+    let found = if unimplemented {
+        Err(STATUS_SYMBOL_NOT_FOUND)
+    } else {
+        select(variants(), name, version as u32, per_thread)
+    }
+    .and_then(|sym| {
         crate::symbols::table()
             .get(sym)
             .copied()
@@ -206,5 +255,27 @@ mod tests {
             select(VARIANTS, "cuGetProcAddress", 12000, false),
             Ok("cuGetProcAddress_v2")
         );
+    }
+
+    #[test]
+    fn cuda13_abis_are_chosen_from_13000() {
+        assert_eq!(
+            select(variants(), "cuCtxGetDevice", 12090, false),
+            Ok("cuCtxGetDevice")
+        );
+        assert_eq!(
+            select(variants(), "cuCtxGetDevice", 13000, false),
+            Ok("cuCtxGetDevice_v2")
+        );
+        assert_eq!(
+            select(variants(), "cuCtxSynchronize", 13050, true),
+            Ok("cuCtxSynchronize_v2")
+        );
+        for sym in ["cuCtxGetDevice_v2", "cuCtxSynchronize_v2"] {
+            assert!(
+                crate::symbols::table().contains_key(sym),
+                "{sym} is exported"
+            );
+        }
     }
 }
