@@ -3,7 +3,11 @@ initialises through gpusim's export tables (the integrity check among them), the
 program on the runtime API allocates, sets, copies and frees, bare and under libvcuda with
 a quota; and a kernel registered the way nvcc's host code does it (a hand-built fatbin
 behind a `__fatBinC_Wrapper_t`, which cudart hands to cuLibraryLoadData) is launched with
-cudaLaunchKernel and timed with events."""
+cudaLaunchKernel and timed with events.
+
+The same probes run against the CUDA 13.5 runtime (libcudart.so.13 from the cu13 wheel)
+with gpusim configured as a 13050 driver; cudart 13.5 also asks for the CUEXP_CONTEXT
+table."""
 
 import pathlib
 
@@ -25,6 +29,17 @@ def cudart_lib_dir():
     raise RuntimeError("libcudart.so.12 not found in the nvidia-cuda-runtime-cu12 wheel; run scripts/setup-test-deps")
 
 
+def cudart13_lib_dir():
+    """The CUDA 13.5 runtime: nvidia/cu13/lib/libcudart.so.13 (cuda-toolkit 13.x wheels)."""
+    import nvidia  # type: ignore
+
+    for base in nvidia.__path__:
+        lib = pathlib.Path(base) / "cu13" / "lib"
+        if (lib / "libcudart.so.13").exists():
+            return lib
+    raise RuntimeError("libcudart.so.13 not found under nvidia/cu13/lib; run scripts/setup-test-deps")
+
+
 @pytest.fixture(scope="module")
 def probe(cc, tmp_path_factory):
     lib = cudart_lib_dir()
@@ -39,6 +54,20 @@ def launch_probe(cc, tmp_path_factory):
     lib = cudart_lib_dir()
     out = tmp_path_factory.mktemp("cudart") / "cudart_launch"
     return cc(LAUNCH, out, f"-L{lib}", "-l:libcudart.so.12", f"-Wl,-rpath,{lib}")
+
+
+@pytest.fixture(scope="module")
+def probe13(cc, tmp_path_factory):
+    lib = cudart13_lib_dir()
+    out = tmp_path_factory.mktemp("cudart13") / "cudart_basic"
+    return cc(PROBE, out, f"-L{lib}", "-l:libcudart.so.13", f"-Wl,-rpath,{lib}")
+
+
+@pytest.fixture(scope="module")
+def launch_probe13(cc, tmp_path_factory):
+    lib = cudart13_lib_dir()
+    out = tmp_path_factory.mktemp("cudart13") / "cudart_launch"
+    return cc(LAUNCH, out, f"-L{lib}", "-l:libcudart.so.13", f"-Wl,-rpath,{lib}")
 
 
 def parse(stdout):
@@ -202,3 +231,72 @@ def test_cuda13_abis_and_version_before_init(sim):
     assert lines["no_current"] == "201 201"  # CUDA_ERROR_INVALID_CONTEXT
     assert lines["explicit"] == "0 1 0"
     assert lines["current"] == "0 1 0"
+
+
+def configure_cuda13(sim):
+    """gpusim as a CUDA 13.5 driver (cuda_version = 13050): what cudart 13.5 requires."""
+    text = sim.run([sim.env["PATH"].split(":")[0] + "/gpusim", "default-config"]).stdout
+    assert "cuda_version = 12090" in text
+    sim.write_config(text.replace("cuda_version = 12090", "cuda_version = 13050"))
+
+
+def test_cuda13_runtime_initialises_and_runs_on_gpusim(sim, probe13):
+    """cudart 13.5 asks for CUEXP_CONTEXT {21318c60-...} (refused, cudaGetDeviceCount fails
+    with cudaErrorInvalidValue); gpusim serves it, and cudart only reads its header: with
+    GPUSIM_LOG on, no slot reports a call."""
+    configure_cuda13(sim)
+    sim.env["GPUSIM_LOG"] = "1"
+    p = sim.run([probe13, "5000"])
+    print(p.stdout)
+    print(p.stderr)
+    c = parse(p.stdout)
+    assert c["cudaDriverGetVersion"] == [(0, "13050")]
+    assert c["cudaRuntimeGetVersion"] == [(0, "13050")]
+    assert c["cudaGetDeviceCount"] == [(0, "2")], p.stdout + p.stderr
+    rc, info = c["cudaMemGetInfo"][0]
+    assert rc == 0 and info.endswith("total 40960 MiB"), info
+    assert c["cudaMemcpy DtoH"] == [(0, "memset bytes seen: yes"), (0, "roundtrip: yes")]
+    assert c["cudaDeviceSynchronize"][0][0] == 0
+    assert c["cudaMalloc(big)"][0][0] == 0, "5000 MiB fits on a 40 GiB GPU"
+    assert c["cudaFree(big)"][0][0] == 0
+    assert c["cudaDeviceReset"] == [(0, "")]
+    assert c["cudaMalloc(64 MiB)"] == [(0, ""), (0, "after the reset")]
+    assert [rc for rc, _ in c["cudaFree"]] == [0, 0]
+    assert "21318c60" not in p.stderr, p.stderr
+    assert "CUEXP_CONTEXT[" not in p.stderr, p.stderr
+
+
+def test_cuda13_runtime_under_vcuda_sees_the_quota(sim, probe13):
+    configure_cuda13(sim)
+    box = sim.container(4096)
+    p = box.run([probe13, "5000"])
+    print(p.stdout)
+    c = parse(p.stdout)
+    assert c["cudaDriverGetVersion"] == [(0, "13050")]
+    assert c["cudaGetDeviceCount"][0][0] == 0, p.stdout + p.stderr
+    rc, info = c["cudaMemGetInfo"][0]
+    assert rc == 0 and info.endswith("total 4096 MiB"), info
+    assert c["cudaMemcpy DtoH"] == [(0, "memset bytes seen: yes"), (0, "roundtrip: yes")]
+    assert c["cudaMalloc(big)"][0][0] == 2, "past the quota: cudaErrorMemoryAllocation"
+    assert c["cudaGetLastError"] == [(2, "")]
+    assert c["cudaMalloc(64 MiB)"] == [(0, ""), (0, "after the failure"), (0, "after the reset")]
+    assert [rc for rc, _ in c["cudaFree"]] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("loading", ["LAZY", "EAGER"])
+def test_cuda13_registered_fatbin_kernel_launches_on_gpusim(sim, launch_probe13, loading):
+    configure_cuda13(sim)
+    sim.env["CUDA_MODULE_LOADING"] = loading
+    sim.env["GPUSIM_LOG"] = "1"
+    p = sim.run([launch_probe13])
+    print(p.stdout)
+    check_launch(p)
+    assert "CUEXP_CONTEXT[" not in p.stderr, p.stderr
+
+
+def test_cuda13_registered_fatbin_kernel_launches_under_vcuda(sim, launch_probe13):
+    configure_cuda13(sim)
+    box = sim.container(4096)
+    p = box.run([launch_probe13])
+    print(p.stdout)
+    check_launch(p)

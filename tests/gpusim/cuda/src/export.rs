@@ -99,6 +99,10 @@ pub const DEVICE_EXTENDED_RT_ID: [u8; 16] = [
 pub const HYBRID_CUDART_ID: [u8; 16] = [
     0xdd, 0x9e, 0x98, 0xa4, 0xf4, 0x10, 0x48, 0x44, 0x99, 0xb0, 0xe2, 0xae, 0xb7, 0xb4, 0x32, 0xb5,
 ];
+/// CUEXP_CONTEXT (CU_ETID_ToolsContext): cudart 13.5 asks for it before it will run.
+pub const CONTEXT_ID: [u8; 16] = [
+    0x21, 0x31, 0x8c, 0x60, 0x97, 0x14, 0x32, 0x48, 0x8c, 0xa6, 0x41, 0xff, 0x73, 0x24, 0xc8, 0xf2,
+];
 
 // ---- CUDART_INTERFACE ----
 
@@ -387,6 +391,40 @@ pub static DEVICE_EXTENDED_RT: Table<26> = Table({
 /// Windows-only in the real driver; its slot count is not known, three is a guess.
 pub static HYBRID_CUDART: Table<3> = Table([size_of_table(3), NS, NS]);
 
+// ---- CONTEXT (CUEXP_CONTEXT / CU_ETID_ToolsContext): 95 slots, as driver 595.99 serves it ----
+//
+// Without it cudart 13.5's cudaGetDeviceCount fails with cudaErrorInvalidValue. cudart 13.5
+// reads only the header: in the runtime probes (basic, fatbin launch, LAZY and EAGER) no
+// slot is called. Public sources name byte offset 0x18 (slot 3) cuexpContext_getDevice and
+// 0x20 (slot 4) cuexpContext_getContextNumber; their signatures are not established, so
+// every slot stays a trap that logs the call, for whoever first sees one used.
+
+/// A slot gpusim does not implement: logs its index and first arguments under
+/// `GPUSIM_LOG`, and returns `CUDA_ERROR_NOT_SUPPORTED`. Callers pass up to four
+/// integer/pointer arguments; reading registers a caller left unset is harmless.
+extern "C" fn context_trap<const I: usize>(a0: usize, a1: usize, a2: usize, a3: usize) -> CUresult {
+    guard(|| {
+        crate::driver::log(format_args!(
+            "CUEXP_CONTEXT[{I}] (offset {:#x}) called ({a0:#x}, {a1:#x}, {a2:#x}, {a3:#x}): CUDA_ERROR_NOT_SUPPORTED",
+            I * 8
+        ));
+        Err(CUDA_ERROR_NOT_SUPPORTED)
+    })
+}
+
+macro_rules! context_table {
+    ($($i:literal),*) => {
+        Table([size_of_table(95), $(slot!(context_trap::<$i>)),*])
+    };
+}
+
+pub static CONTEXT: Table<95> = context_table!(
+    1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26,
+    27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50,
+    51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74,
+    75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94
+);
+
 /// The table with UUID `id` (bytes as passed).
 pub fn lookup(id: &[u8; 16]) -> Option<*const c_void> {
     Some(match *id {
@@ -400,6 +438,7 @@ pub fn lookup(id: &[u8; 16]) -> Option<*const c_void> {
         HEAP_ACCESS_ID => HEAP_ACCESS.as_ptr(),
         DEVICE_EXTENDED_RT_ID => DEVICE_EXTENDED_RT.as_ptr(),
         HYBRID_CUDART_ID => HYBRID_CUDART.as_ptr(),
+        CONTEXT_ID => CONTEXT.as_ptr(),
         _ => return None,
     })
 }
@@ -458,6 +497,7 @@ mod tests {
             (HEAP_ACCESS_ID, 3, true),
             (DEVICE_EXTENDED_RT_ID, 26, true),
             (HYBRID_CUDART_ID, 3, true),
+            (CONTEXT_ID, 95, true),
         ] {
             let t = lookup(&id).expect("known table");
             if header {
@@ -477,6 +517,22 @@ mod tests {
         ];
         assert!(lookup(&optional).is_none());
         assert_eq!(uuid_text(&optional), "f8cff951-2146-8b4e-b9e2-fb469e7c0dd9");
+    }
+
+    #[test]
+    fn context_slots_refuse_cleanly() {
+        type Trap = extern "C" fn(usize, usize, usize, usize) -> CUresult;
+        let t = lookup(&CONTEXT_ID).expect("known table");
+        assert_eq!(
+            uuid_text(&CONTEXT_ID),
+            "21318c60-9714-3248-8ca6-41ff7324c8f2"
+        );
+        for i in [1, 3, 4, 94] {
+            // SAFETY: every CONTEXT slot past the header holds a `context_trap`, of this
+            // signature.
+            let f: Trap = unsafe { std::mem::transmute(slot_at(t, i)) };
+            assert_eq!(f(0, 0, 0, 0), CUDA_ERROR_NOT_SUPPORTED, "slot {i}");
+        }
     }
 
     #[test]
