@@ -200,7 +200,8 @@ def test_hidden_memory_is_measured_exactly_while_allocations_run(sim, bins):
     300 MiB in gpusim) is re-measured every ~0.5 s as NVML's per-process figure minus what
     the process counted through allocation calls. One storm process with one thread
     allocating and freeing for 2 s; the region, polled every few ms, must show its hidden
-    memory as exactly the context's 300 MiB throughout. A measurement taken while an
+    memory as exactly the context's 300 MiB throughout, until the program releases its
+    context after the storm (then 0: it holds nothing). A measurement taken while an
     allocation or free is between the region and the driver comes out too low (the
     container can then overshoot its quota by that much) or too high (spurious refusals)."""
     c = sim.container(QUOTA_MIB)
@@ -208,11 +209,16 @@ def test_hidden_memory_is_measured_exactly_while_allocations_run(sim, bins):
     assert p.stdout.readline().startswith("ready")
     p.stdin.write("go\n")
     p.stdin.flush()
-    seen = set()
+    seen = []
     while p.poll() is None:
         for s in region_slots(c.region):
             if s["pid"] == p.pid:
-                seen.add(s["hidden"][0])
+                seen.append(s["hidden"][0])
         time.sleep(0.005)
     assert p.returncode == 0, p.stderr.read()
-    assert seen == {CONTEXT}, f"hidden memory seen (MiB): {sorted(round(h / MiB, 3) for h in seen)}"
+    # After the storm the program releases its primary context: from then on the process
+    # holds nothing and its hidden memory is re-measured as 0 (the driver no longer lists
+    # it). Only that tail may differ from the context.
+    while seen and seen[-1] == 0:
+        seen.pop()
+    assert seen and set(seen) == {CONTEXT}, f"hidden memory seen (MiB): {sorted({round(h / MiB, 3) for h in seen})}"
