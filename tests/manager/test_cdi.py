@@ -232,9 +232,25 @@ def test_a_container_made_from_the_cdi_spec_is_held_to_its_quota(cdi_node, bins)
     assert {k: v for k, v in c.env.items() if k in resp["envs"] and k != "VCUDA_CONFIG"} == {
         k: v for k, v in resp["envs"].items() if k != "VCUDA_CONFIG"}
     assert c.mounts["/usr/local/vcuda/lib64/libvcuda.so"] and c.env["LD_PRELOAD"] == c.mounts[PRELOAD_LIBRARY]
+    # The threat model's tenant (root in its container) gets through CDI nothing it could
+    # raise its limits with: the library, the preload file, its config and the socket
+    # directory are read-only; the one writable mount is this allocation's own region; no
+    # host path of the spec directory, the manager's whole state or another allocation's
+    # files reaches the container.
+    writable = {p: m["hostPath"] for p, m in mounts.items() if "ro" not in m["options"]}
+    (region_host,) = writable.values()
+    assert alloc in region_host, writable
+    for p in ("/usr/local/vcuda/lib64/libvcuda.so", "/etc/ld.so.preload", "/etc/vcuda"):
+        assert "ro" in mounts[p]["options"], mounts[p]
+    for m in mounts.values():
+        host = pathlib.Path(m["hostPath"])
+        # neither the spec directory (nor anything in it or above it), nor the manager's
+        # whole state directory (only single read-only files from it, the preload file)
+        assert node.cdi_dir not in (host, *host.parents) and host not in node.cdi_dir.parents, m
+        assert host != node.state and host not in node.state.parents, m
+    # A CUDA process under libvcuda: its quota (less its context) and no more.
     gpu = c.config["gpu"][0]
     assert (gpu["memory_mib"], gpu["core"]) == (4096, 30)
-    # A CUDA process under libvcuda: its quota (less its context) and no more.
     got, out = fill(c, bins, 8192)
     assert 3072 <= got <= 4096 - 300, out
     assert "refused" in out, out

@@ -40,34 +40,32 @@ def cudart13_lib_dir():
     raise RuntimeError("libcudart.so.13 not found under nvidia/cu13/lib; run scripts/setup-test-deps")
 
 
+def build_probe(cc, tmp_path_factory, source, major):
+    """`source` linked against the wheel's libcudart.so.`major` only; cudart dlopens
+    libcuda.so.1 itself, and finds gpusim's first on LD_LIBRARY_PATH."""
+    lib = cudart_lib_dir() if major == 12 else cudart13_lib_dir()
+    out = tmp_path_factory.mktemp(f"cudart{major}") / pathlib.Path(source).stem
+    return cc(source, out, f"-L{lib}", f"-l:libcudart.so.{major}", f"-Wl,-rpath,{lib}")
+
+
 @pytest.fixture(scope="module")
 def probe(cc, tmp_path_factory):
-    lib = cudart_lib_dir()
-    out = tmp_path_factory.mktemp("cudart") / "cudart_basic"
-    # Linked against the wheel's libcudart only; cudart dlopens libcuda.so.1 itself, and
-    # finds gpusim's first on LD_LIBRARY_PATH.
-    return cc(PROBE, out, f"-L{lib}", "-l:libcudart.so.12", f"-Wl,-rpath,{lib}")
+    return build_probe(cc, tmp_path_factory, PROBE, 12)
 
 
 @pytest.fixture(scope="module")
 def launch_probe(cc, tmp_path_factory):
-    lib = cudart_lib_dir()
-    out = tmp_path_factory.mktemp("cudart") / "cudart_launch"
-    return cc(LAUNCH, out, f"-L{lib}", "-l:libcudart.so.12", f"-Wl,-rpath,{lib}")
+    return build_probe(cc, tmp_path_factory, LAUNCH, 12)
 
 
 @pytest.fixture(scope="module")
 def probe13(cc, tmp_path_factory):
-    lib = cudart13_lib_dir()
-    out = tmp_path_factory.mktemp("cudart13") / "cudart_basic"
-    return cc(PROBE, out, f"-L{lib}", "-l:libcudart.so.13", f"-Wl,-rpath,{lib}")
+    return build_probe(cc, tmp_path_factory, PROBE, 13)
 
 
 @pytest.fixture(scope="module")
 def launch_probe13(cc, tmp_path_factory):
-    lib = cudart13_lib_dir()
-    out = tmp_path_factory.mktemp("cudart13") / "cudart_launch"
-    return cc(LAUNCH, out, f"-L{lib}", "-l:libcudart.so.13", f"-Wl,-rpath,{lib}")
+    return build_probe(cc, tmp_path_factory, LAUNCH, 13)
 
 
 def parse(stdout):
