@@ -47,7 +47,13 @@ enum Cmd {
         gpu: Option<String>,
     },
     /// Print the built-in configuration (two A100-40GB GPUs), a starting point for your own.
-    DefaultConfig,
+    DefaultConfig {
+        /// The CUDA version the driver reports (cuDriverGetVersion, NVML), 1000*major +
+        /// 10*minor: e.g. 13050 to run a CUDA 13.5 runtime (libcudart.so.13), which refuses a
+        /// 12.x driver. The driver version NVML reports follows it (580.65.06 for 13.x).
+        #[arg(long, value_name = "VERSION", default_value_t = 12090)]
+        cuda_version: i32,
+    },
     /// Serve host pids to simulated-driver processes in containers, as a kernel driver knows
     /// them: mount SOCKET into each container and set GPUSIM_PID_SOCKET there to its path.
     /// Each process then appears in NVML (and `gpusim status`) under its host pid, as on a
@@ -97,8 +103,10 @@ struct StatusJson {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::DefaultConfig => {
-            print!("{}", gpusim_core::config::DEFAULT_CONFIG);
+        Cmd::DefaultConfig { cuda_version } => {
+            let text = gpusim_core::config::default_config_text(cuda_version)
+                .map_err(|m| anyhow::anyhow!("--cuda-version {m}"))?;
+            print!("{text}");
             Ok(())
         }
         Cmd::Status { json } => status(json),

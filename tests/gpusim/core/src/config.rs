@@ -9,7 +9,8 @@ use toml::Spanned;
 use crate::layout::{MAX_GPUS, QUEUE_CAP};
 
 /// The built-in configuration used when `GPUSIM_CONFIG` is unset. `gpusim default-config`
-/// prints it; README documents it.
+/// prints it; README documents it. `driver_version` is left to follow `cuda_version`
+/// ([`default_driver_version`]), so changing `cuda_version` alone gives a consistent driver.
 pub const DEFAULT_CONFIG: &str = r#"# gpusim default configuration: two NVLink-connected A100-40GB GPUs on NUMA node 0.
 context_overhead_mib = 300
 module_overhead_kib = 1024
@@ -17,8 +18,8 @@ launch_queue_depth = 1024
 timeslice_us = 2000
 sample_period_us = 166667
 wave_ns = 5000
-driver_version = "575.57.08"
 cuda_version = 12090
+# driver_version = "575.57.08"  # unset: follows cuda_version (575.57.08 for 12.x, 580.65.06 for 13.x)
 
 [[gpu]]
 name = "NVIDIA A100-SXM4-40GB"
@@ -45,6 +46,50 @@ gpus = [0, 1]
 nvlinks = 12
 pcie = "switch"
 "#;
+
+/// The CUDA versions `gpusim default-config --cuda-version` and `cuda_version` accept:
+/// 1000 * major + 10 * minor. The error is "<version>: <what to write>", for the caller to
+/// prefix with the key or option it came from.
+pub fn check_cuda_version(cuda: i32) -> Result<(), String> {
+    if !(2000..=99_990).contains(&cuda) || cuda % 10 != 0 {
+        return Err(format!(
+            "{cuda}: write 1000*major + 10*minor, e.g. 12090 for CUDA 12.9 or 13050 for CUDA 13.5"
+        ));
+    }
+    Ok(())
+}
+
+/// The driver version NVML reports when the config sets `cuda_version` but no
+/// `driver_version`: a release driver of a branch whose CUDA major is `cuda_version`'s, as
+/// NVIDIA's compatibility table has it (CUDA 12.x: branches 525 to 579, CUDA 13.x: 580 and
+/// later). 13.x: 580.65.06, the driver CUDA 13.0 shipped with (R580, the first CUDA 13
+/// branch); anything else: 575.57.08, CUDA 12.9's.
+pub fn default_driver_version(cuda_version: i32) -> &'static str {
+    if cuda_version / 1000 == 13 {
+        "580.65.06"
+    } else {
+        "575.57.08"
+    }
+}
+
+/// The built-in configuration with `cuda_version` in place of 12090 (and the matching
+/// `driver_version` in its comment), for `gpusim default-config --cuda-version`.
+pub fn default_config_text(cuda_version: i32) -> Result<String, String> {
+    check_cuda_version(cuda_version)?;
+    let text = DEFAULT_CONFIG
+        .replace(
+            "cuda_version = 12090\n",
+            &format!("cuda_version = {cuda_version}\n"),
+        )
+        .replace(
+            "# driver_version = \"575.57.08\"",
+            &format!(
+                "# driver_version = \"{}\"",
+                default_driver_version(cuda_version)
+            ),
+        );
+    Ok(text)
+}
 
 /// How two GPUs are connected over PCIe, named after NVML's `nvmlGpuTopologyLevel_t`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -160,8 +205,8 @@ struct RawConfig {
     sample_period_us: Spanned<u64>,
     #[serde(default = "d_wave")]
     wave_ns: u64,
-    #[serde(default = "d_driver")]
-    driver_version: String,
+    #[serde(default)]
+    driver_version: Option<String>,
     #[serde(default = "d_cuda")]
     cuda_version: Spanned<i32>,
     #[serde(default)]
@@ -187,9 +232,6 @@ fn d_period() -> Spanned<u64> {
 }
 fn d_wave() -> u64 {
     5000
-}
-fn d_driver() -> String {
-    "575.57.08".into()
 }
 fn d_cuda() -> Spanned<i32> {
     Spanned::new(0..0, 12090)
@@ -280,14 +322,8 @@ impl Config {
             ));
         }
         let cuda = *raw.cuda_version.get_ref();
-        if !(2000..=99_990).contains(&cuda) || cuda % 10 != 0 {
-            return Err(invalid(
-                raw.cuda_version.span().start,
-                format!(
-                    "cuda_version = {cuda}: write 1000*major + 10*minor, e.g. 12090 for CUDA 12.9"
-                ),
-            ));
-        }
+        check_cuda_version(cuda)
+            .map_err(|m| invalid(raw.cuda_version.span().start, format!("cuda_version = {m}")))?;
         let mut gpus = Vec::with_capacity(raw.gpu.len());
         for (i, g) in raw.gpu.iter().enumerate() {
             let at = g.span().start;
@@ -351,7 +387,9 @@ impl Config {
             timeslice_us: *raw.timeslice_us.get_ref(),
             sample_period_us: period,
             wave_ns: raw.wave_ns,
-            driver_version: raw.driver_version,
+            driver_version: raw
+                .driver_version
+                .unwrap_or_else(|| default_driver_version(cuda).to_string()),
             cuda_version: cuda,
             gpu: gpus,
             link: links,
@@ -591,6 +629,37 @@ mod tests {
         assert_eq!(c.link_between(0, 1), (PcieLevel::Switch, 12));
         assert_eq!(c.gpu[0].memory_bytes(), 40960 << 20);
         assert_eq!(c.context_overhead(), 300 << 20);
+    }
+
+    #[test]
+    fn driver_version_follows_cuda_version_unless_set() {
+        let c = Config::default_config();
+        assert_eq!(
+            (c.cuda_version, c.driver_version.as_str()),
+            (12090, "575.57.08")
+        );
+        let c13 = Config::parse(&default_config_text(13050).unwrap(), "x").unwrap();
+        assert_eq!(
+            (c13.cuda_version, c13.driver_version.as_str()),
+            (13050, "580.65.06")
+        );
+        // only the version changed: same GPUs
+        assert_eq!(c13.gpu, c.gpu);
+        let text = DEFAULT_CONFIG.replace("cuda_version = 12090", "cuda_version = 13000");
+        assert_eq!(
+            Config::parse(&text, "x").unwrap().driver_version,
+            "580.65.06"
+        );
+        let text = format!("driver_version = \"590.44.01\"\n{text}");
+        assert_eq!(
+            Config::parse(&text, "x").unwrap().driver_version,
+            "590.44.01"
+        );
+        let e = default_config_text(13055).unwrap_err();
+        assert!(e.contains("1000*major + 10*minor"), "{e}");
+        assert!(default_config_text(13050)
+            .unwrap()
+            .contains("\ncuda_version = 13050\n"));
     }
 
     #[test]

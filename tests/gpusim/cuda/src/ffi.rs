@@ -337,7 +337,12 @@ pub struct CUmemLocation {
     pub id: i32,
 }
 
+pub const CU_MEM_LOCATION_TYPE_NONE: u32 = 0;
 pub const CU_MEM_LOCATION_TYPE_DEVICE: u32 = 1;
+pub const CU_MEM_LOCATION_TYPE_HOST: u32 = 2;
+pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: u32 = 3;
+/// CUDA 13: part of a device's memory; `id` is then `{ u8 deviceId; u8 localityDomainId; }`.
+pub const CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN: u32 = 6;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -356,6 +361,7 @@ unsafe impl Send for CUmemAllocationProp {}
 unsafe impl Sync for CUmemAllocationProp {}
 
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: u32 = 1;
+pub const CU_MEM_ALLOCATION_TYPE_MANAGED: u32 = 2;
 
 #[repr(C)]
 pub struct CUmemAccessDesc {

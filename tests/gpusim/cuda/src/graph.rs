@@ -477,6 +477,12 @@ exports! {
         deps.slice(n)?;
         add_generic(out, graph, params)
     }
+    // CUDA 13.4's ABI of cuGraphAddNode: the _v2 signature.
+    fn cuGraphAddNode_v3(out: Out<CUgraphNode>, graph: CUgraph, deps: In<CUgraphNode>, edges: *const c_void, n: usize, params: Out<CUgraphNodeParams>) {
+        let _ = edges;
+        deps.slice(n)?;
+        add_generic(out, graph, params)
+    }
     fn cuGraphInstantiateWithFlags(out: Out<CUgraphExec>, graph: CUgraph, flags: u64) {
         if out.is_null() || flags & !0xf != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);

@@ -2,6 +2,11 @@
 //! from the device, in 2 MiB steps) is what the device is charged; memory freed back to a
 //! pool stays reserved until a synchronisation lets the pool shrink to its release threshold
 //! (default 0), or until `cuMemPoolTrimTo` / `cuMemPoolDestroy`.
+//!
+//! Each device has one default and one current pool, which the per-device calls
+//! (`cuDeviceGetDefaultMemPool`, `cuDeviceGetMemPool`, `cuDeviceSetMemPool`) and CUDA 13.0's
+//! location-based ones (`cuMemGetDefaultMemPool`, `cuMemGetMemPool`, `cuMemSetMemPool`, for a
+//! device location and PINNED) share; `cuMemAllocAsync` takes from the current one.
 
 use std::ffi::c_void;
 
@@ -181,6 +186,55 @@ fn free_async(p: CUdeviceptr, stream: CUstream) -> R {
     Ok(())
 }
 
+/// The device a CUDA 13 location-based pool call (`cuMemGetDefaultMemPool`, `cuMemGetMemPool`,
+/// `cuMemSetMemPool`) names, as a config index. gpusim models pinned device pools only:
+///
+/// - `location` NULL, an allocation type other than PINNED / MANAGED, a location type cuda.h
+///   does not allow for these calls (HOST_NUMA_CURRENT, INVISIBLE, NONE with PINNED, a locality
+///   domain with MANAGED, anything else): `CUDA_ERROR_INVALID_VALUE`;
+/// - a DEVICE location with an ordinal that is not a visible device: `bad_device` (the header
+///   documents `CUDA_ERROR_INVALID_DEVICE` for the default-pool getter and only
+///   `CUDA_ERROR_INVALID_VALUE` for the other two);
+/// - what gpusim does not simulate, for a valid location: host and host-NUMA pools, managed
+///   pools, device locality domains: `CUDA_ERROR_NOT_SUPPORTED`.
+fn location_device(
+    d: &Driver,
+    location: &In<CUmemLocation>,
+    kind: u32,
+    bad_device: CUresult,
+) -> Result<usize, CUresult> {
+    let loc = location.get()?;
+    if kind != CU_MEM_ALLOCATION_TYPE_PINNED && kind != CU_MEM_ALLOCATION_TYPE_MANAGED {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let managed = kind == CU_MEM_ALLOCATION_TYPE_MANAGED;
+    match loc.kind {
+        CU_MEM_LOCATION_TYPE_DEVICE => {
+            let dev = d.device(loc.id).map_err(|_| bad_device)?;
+            if managed {
+                return Err(CUDA_ERROR_NOT_SUPPORTED);
+            }
+            Ok(dev)
+        }
+        CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA => Err(CUDA_ERROR_NOT_SUPPORTED),
+        CU_MEM_LOCATION_TYPE_NONE if managed => Err(CUDA_ERROR_NOT_SUPPORTED),
+        CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN if !managed => Err(CUDA_ERROR_NOT_SUPPORTED),
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
+/// Make `pool` the one `cuMemAllocAsync` takes from on `dev` (`cuDeviceSetMemPool` and
+/// `cuMemSetMemPool` share it); a pool of another device is `mismatch`.
+fn set_current(inner: &mut Inner, dev: usize, pool: CUmemoryPool, mismatch: CUresult) -> R {
+    default_pool(inner, dev);
+    let p = pool_mut(inner, pool)?;
+    if p.dev != dev {
+        return Err(mismatch);
+    }
+    inner.pools.current[dev] = Some(pool.id());
+    Ok(())
+}
+
 fn pool_mut(inner: &mut Inner, pool: CUmemoryPool) -> Result<&mut Pool, CUresult> {
     inner
         .pools
@@ -316,12 +370,38 @@ exports! {
         let d = driver()?;
         let dev = d.device(dev)?;
         let mut inner = d.inner.lock();
-        default_pool(&mut inner, dev);
-        let p = pool_mut(&mut inner, pool)?;
-        if p.dev != dev {
-            return Err(CUDA_ERROR_INVALID_DEVICE);
+        set_current(&mut inner, dev, pool, CUDA_ERROR_INVALID_DEVICE)
+    }
+    /// CUDA 13.0: the default pool of a location and allocation type. A device location with
+    /// PINNED is `cuDeviceGetDefaultMemPool`'s pool ([`location_device`] for the rest).
+    fn cuMemGetDefaultMemPool(pool_out: Out<CUmemoryPool>, location: In<CUmemLocation>, kind: u32) {
+        let d = driver()?;
+        if pool_out.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        inner.pools.current[dev] = Some(pool.id());
-        Ok(())
+        let dev = location_device(d, &location, kind, CUDA_ERROR_INVALID_DEVICE)?;
+        let mut inner = d.inner.lock();
+        let id = default_pool(&mut inner, dev);
+        pool_out.write(Handle::from_id(id))
+    }
+    /// CUDA 13.0: the current pool of a location and allocation type, the one
+    /// `cuDeviceGetMemPool` reports and `cuMemAllocAsync` uses.
+    fn cuMemGetMemPool(pool: Out<CUmemoryPool>, location: In<CUmemLocation>, kind: u32) {
+        let d = driver()?;
+        if pool.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let dev = location_device(d, &location, kind, CUDA_ERROR_INVALID_VALUE)?;
+        let mut inner = d.inner.lock();
+        let id = current_pool(&mut inner, dev);
+        pool.write(Handle::from_id(id))
+    }
+    /// CUDA 13.0: for a device location and PINNED, `cuDeviceSetMemPool`. The pool must be of
+    /// that location (another device's pool is `CUDA_ERROR_INVALID_VALUE`, as cuda.h says).
+    fn cuMemSetMemPool(location: In<CUmemLocation>, kind: u32, pool: CUmemoryPool) {
+        let d = driver()?;
+        let dev = location_device(d, &location, kind, CUDA_ERROR_INVALID_VALUE)?;
+        let mut inner = d.inner.lock();
+        set_current(&mut inner, dev, pool, CUDA_ERROR_INVALID_VALUE)
     }
 }

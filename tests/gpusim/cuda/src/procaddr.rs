@@ -1,7 +1,8 @@
 //! `cuGetProcAddress` / `cuGetProcAddress_v2` as the driver documents them: the base name,
-//! CUDA version and flags select exactly one ABI variant ([`crate::procaddr_table`]); an
-//! unknown or too-new symbol is `CUDA_SUCCESS` with a NULL pointer and the reason in the
-//! status. Also the error-string calls, which work before `cuInit`.
+//! CUDA version and flags select exactly one ABI variant ([`crate::procaddr_table`], generated
+//! from the CUDA 12.9 and 13.x headers); an unknown or too-new symbol, or a variant gpusim does
+//! not export, is `CUDA_SUCCESS` with a NULL pointer and the reason in the status. Also the
+//! error-string calls, which work before `cuInit`.
 
 use std::ffi::{c_char, c_void, CString};
 use std::sync::OnceLock;
@@ -56,8 +57,8 @@ where
 }
 
 fn leak(s: &str) -> &'static str {
-    // Symbols come from the static tables, so this is a no-op lookup, not an allocation.
-    variants()
+    // Symbols come from the static table, so this is a no-op lookup, not an allocation.
+    VARIANTS
         .iter()
         .find(|v| v.symbol == s)
         .map_or("", |v| v.symbol)
@@ -72,43 +73,17 @@ fn driver_version() -> i32 {
     }
 }
 
-/// CUDA 13.0 ABIs of entry points the generated table (12.9 headers) lists only in their
-/// 12.x form: what cudart 13 requires at version 13000 and up.
-static CUDA13_VARIANTS: &[Variant] = &[
-    Variant {
-        base: "cuCtxGetDevice",
-        version: 13000,
-        symbol: "cuCtxGetDevice_v2",
-        per_thread: false,
-    },
-    Variant {
-        base: "cuCtxSynchronize",
-        version: 13000,
-        symbol: "cuCtxSynchronize_v2",
-        per_thread: false,
-    },
-];
-
-/// Entry points whose ABI changed in a CUDA 13 release gpusim does not implement: asked for
-/// at or after that version they are "symbol not found" (a NULL pointer cudart tolerates)
-/// rather than the older ABI under the newer name.
-const CUDA13_UNIMPLEMENTED: &[(&str, u32)] = &[
-    ("cuMemcpyBatchAsync", 13000),
-    ("cuMemcpy3DBatchAsync", 13000),
-    ("cuLaunchHostFunc", 13010),
-];
-
-/// The generated table plus [`CUDA13_VARIANTS`] (those the table does not already list).
-fn variants() -> &'static [Variant] {
-    static ALL: OnceLock<Vec<Variant>> = OnceLock::new();
-    ALL.get_or_init(|| {
-        let mut all = VARIANTS.to_vec();
-        for v in CUDA13_VARIANTS {
-            if !all.iter().any(|w| w.symbol == v.symbol) {
-                all.push(*v);
-            }
-        }
-        all
+/// The address of the variant the table picks, if gpusim exports it. A variant it does not
+/// export (an ABI it does not implement, e.g. cuMemcpyBatchAsync_v2 at 13000) is "symbol not
+/// found", which the caller sees as CUDA_SUCCESS with a NULL pointer, as the driver answers for
+/// a function it does not support; never an older ABI of the same base, whose signature the
+/// caller would get wrong.
+fn resolve(name: &str, version: u32, per_thread: bool) -> Result<usize, u32> {
+    select(VARIANTS, name, version, per_thread).and_then(|sym| {
+        crate::symbols::table()
+            .get(sym)
+            .copied()
+            .ok_or(STATUS_SYMBOL_NOT_FOUND)
     })
 }
 
@@ -125,21 +100,7 @@ fn get_proc(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let per_thread = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
-    let unimplemented = CUDA13_UNIMPLEMENTED
-        .iter()
-        .any(|&(base, since)| base == name && version as u32 >= since);
-    let found = if unimplemented {
-        Err(STATUS_SYMBOL_NOT_FOUND)
-    } else {
-        select(variants(), name, version as u32, per_thread)
-    }
-    .and_then(|sym| {
-        crate::symbols::table()
-            .get(sym)
-            .copied()
-            .ok_or(STATUS_SYMBOL_NOT_FOUND)
-    });
-    match found {
+    match resolve(name, version as u32, per_thread) {
         Ok(addr) => {
             pfn.write(addr as *mut c_void)?;
             status.write_opt(STATUS_SUCCESS);
@@ -260,22 +221,77 @@ mod tests {
     #[test]
     fn cuda13_abis_are_chosen_from_13000() {
         assert_eq!(
-            select(variants(), "cuCtxGetDevice", 12090, false),
+            select(VARIANTS, "cuCtxGetDevice", 12090, false),
             Ok("cuCtxGetDevice")
         );
         assert_eq!(
-            select(variants(), "cuCtxGetDevice", 13000, false),
+            select(VARIANTS, "cuCtxGetDevice", 13000, false),
             Ok("cuCtxGetDevice_v2")
         );
         assert_eq!(
-            select(variants(), "cuCtxSynchronize", 13050, true),
+            select(VARIANTS, "cuCtxSynchronize", 13050, true),
             Ok("cuCtxSynchronize_v2")
         );
-        for sym in ["cuCtxGetDevice_v2", "cuCtxSynchronize_v2"] {
+        assert_eq!(
+            select(VARIANTS, "cuMemGetMemPool", 12090, false),
+            Err(STATUS_VERSION_NOT_SUFFICIENT)
+        );
+        for base in [
+            "cuMemGetDefaultMemPool",
+            "cuMemGetMemPool",
+            "cuMemSetMemPool",
+        ] {
+            assert_eq!(select(VARIANTS, base, 13000, false), Ok(base));
+        }
+        assert_eq!(
+            select(VARIANTS, "cuLaunchHostFunc", 13010, true),
+            Ok("cuLaunchHostFunc_v2_ptsz")
+        );
+        assert_eq!(
+            select(VARIANTS, "cuLaunchHostFunc", 13000, true),
+            Ok("cuLaunchHostFunc_ptsz")
+        );
+        for sym in [
+            "cuCtxGetDevice_v2",
+            "cuCtxSynchronize_v2",
+            "cuMemGetDefaultMemPool",
+            "cuMemGetMemPool",
+            "cuMemSetMemPool",
+        ] {
             assert!(
                 crate::symbols::table().contains_key(sym),
                 "{sym} is exported"
             );
         }
+    }
+
+    /// A 13.x ABI gpusim does not implement is "symbol not found", not its older ABI.
+    #[test]
+    fn unexported_variant_is_not_found() {
+        let sym = |s: &str| crate::symbols::table()[s];
+        assert_eq!(
+            resolve("cuLaunchHostFunc", 13000, true),
+            Ok(sym("cuLaunchHostFunc_ptsz"))
+        );
+        assert_eq!(
+            select(VARIANTS, "cuLaunchHostFunc", 13010, false),
+            Ok("cuLaunchHostFunc_v2")
+        );
+        assert_eq!(
+            resolve("cuLaunchHostFunc", 13010, false),
+            Err(STATUS_SYMBOL_NOT_FOUND)
+        );
+        assert_eq!(
+            resolve("cuGraphAddNode", 13030, false),
+            Ok(sym("cuGraphAddNode_v2"))
+        );
+        assert_eq!(
+            resolve("cuGraphAddNode", 13040, false),
+            Ok(sym("cuGraphAddNode_v3"))
+        );
+        assert_eq!(
+            resolve("cuMemGetMemPool", 13000, false),
+            Ok(sym("cuMemGetMemPool"))
+        );
     }
 }

@@ -12,10 +12,11 @@ nvml_api! {
         version.write_str(length, &st.config.driver_version)
     }
 
-    /// "12." followed by the driver version, as NVML 12 reports it (e.g. "12.575.57.08").
+    /// The NVML API major (the CUDA major of the driver: 12 for a CUDA 12.x driver, 13 from
+    /// R580 on) followed by the driver version, e.g. "12.575.57.08", "13.580.65.06".
     fn nvmlSystemGetNVMLVersion(version: CharBuf, length: c_uint) {
         let st = state()?;
-        version.write_str(length, &format!("12.{}", st.config.driver_version))
+        version.write_str(length, &library_version(&st.config))
     }
 
     fn nvmlSystemGetCudaDriverVersion(cudaDriverVersion: Out<c_int>) {
@@ -44,6 +45,12 @@ nvml_api! {
         let all: Vec<nvmlDevice_t> = (0..st.num_gpus()).map(handle_of).collect();
         fill_handles(&all, count, deviceArray)
     }
+}
+
+/// What `nvmlSystemGetNVMLVersion` reports: NVML's API major, which is the CUDA major of the
+/// driver (`cuda_version`), then the driver version.
+pub fn library_version(config: &gpusim_core::Config) -> String {
+    format!("{}.{}", config.cuda_version / 1000, config.driver_version)
 }
 
 /// `*count == 0`: report how many; else write up to `*count` handles and the number written.
@@ -138,6 +145,15 @@ mod tests {
             assert!(seen.insert(error_string(*c)), "duplicate string for {c}");
         }
         assert_eq!(error_string(12345), c"Unknown Error");
+    }
+
+    #[test]
+    fn library_version_follows_the_cuda_major() {
+        let c12 = gpusim_core::Config::default_config();
+        assert_eq!(library_version(&c12), "12.575.57.08");
+        let text = gpusim_core::config::default_config_text(13050).unwrap();
+        let c13 = gpusim_core::Config::parse(&text, "x").unwrap();
+        assert_eq!(library_version(&c13), "13.580.65.06");
     }
 
     #[test]
