@@ -103,7 +103,10 @@ DEFINES = ["-D__CUDA_API_VERSION_INTERNAL", "-DNVML_NO_UNVERSIONED_FUNC_DEFS"]
 # (the test fails if a listed name is declared after all).
 ABSENT = {
     # e.g. "cuFooBar": "added in CUDA 13.0 (cudaTypedefs.h: PFN_cuFooBar_v13000)",
-    "cuda12.9+nvml12": {},
+    "cuda12.9+nvml12": {
+        "cuCtxSynchronize_v2": "added in CUDA 13.0 (cudaTypedefs.h: PFN_cuCtxSynchronize_v13000)",
+        "cuGraphAddNode_v3": "added in CUDA 13.4 (cudaTypedefs.h: PFN_cuGraphAddNode_v13040)",
+    },
     "cuda13+nvml13": {},
 }
 
@@ -1079,3 +1082,59 @@ def parse_rust_functions_from_text(text):
     p.expect("fn")
     name = p.next().text
     return parse_fn_after_name(p, text, name, "x.rs:1", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# every ABI variant of a hooked entry point is hooked
+
+# Variants of an entry point libvcuda hooks that it leaves to the driver on purpose:
+# {name: why}. Empty today: every declared variant of a hooked function is hooked.
+NOT_HOOKED = {}
+
+VARIANT = re.compile(r"^(?P<base>(?:cu|nvml)[A-Za-z0-9]*?)(?:_v\d+)?(?:_ptsz|_ptds)?$")
+
+
+def variant_base(name):
+    """The entry point an exported name is an ABI variant of: `cuMemAlloc_v2` -> `cuMemAlloc`,
+    `cuMemcpyHtoD_v2_ptds` -> `cuMemcpyHtoD`, `nvmlDeviceGetCount_v2` -> `nvmlDeviceGetCount`."""
+    m = VARIANT.match(name)
+    return m.group("base") if m else name
+
+
+def unhooked_variants(declared, exports, not_hooked):
+    """The names `declared` (by a header set) that are a variant of an entry point libvcuda
+    exports a wrapper of, but that it neither exports nor lists in `not_hooked`."""
+    hooked = {variant_base(n) for n in exports}
+    return sorted(n for n in declared
+                  if variant_base(n) in hooked and n not in exports and n not in not_hooked)
+
+
+@pytest.mark.parametrize("header_set", list(HEADER_SETS))
+def test_every_variant_of_a_hooked_entry_point_is_hooked(header_set, exports, tmp_path):
+    """A program built against these headers, or cudart of that release asking
+    cuGetProcAddress for the version it was built for, may reach any ABI variant the headers
+    declare (CUDA 13.0 added `cuCtxSynchronize_v2`, 13.4 `cuGraphAddNode_v3`): each one of an
+    entry point libvcuda controls must be a libvcuda wrapper, or the call would pass around
+    the quota or the limiter."""
+    decls = header_declarations(header_set, tmp_path)
+    missing = unhooked_variants(decls, exports, NOT_HOOKED)
+    if missing:
+        pytest.fail(
+            f"the {HEADER_SETS[header_set]} declare {len(missing)} variant(s) of entry points libvcuda "
+            "hooks that it does not export: hook each (hooks! in vcuda/lib/src) or list it in NOT_HOOKED "
+            "with the reason:\n" + "\n".join(f"{n} ({decls[n].file}:{decls[n].line})" for n in missing),
+            pytrace=False,
+        )
+    listed_but_hooked = sorted(n for n in NOT_HOOKED if n in exports)
+    assert not listed_but_hooked, f"NOT_HOOKED lists exported wrappers: {listed_but_hooked}"
+
+
+def test_the_variant_check_catches_a_missing_variant():
+    declared = ["cuCtxSynchronize", "cuCtxSynchronize_v2", "cuMemcpyHtoD_v2_ptds", "cuMemcpyHtoD",
+                "cuGraphAddNode", "cuGraphAddNode_v2", "cuGraphAddNode_v3", "cuGraphAddNodeX",
+                "nvmlDeviceGetCount", "nvmlDeviceGetCount_v2", "cuDeviceGetName"]
+    exports = {"cuCtxSynchronize", "cuGraphAddNode", "cuGraphAddNode_v2", "cuMemcpyHtoD", "nvmlDeviceGetCount_v2"}
+    assert unhooked_variants(declared, exports, {}) == [
+        "cuCtxSynchronize_v2", "cuGraphAddNode_v3", "cuMemcpyHtoD_v2_ptds", "nvmlDeviceGetCount"]
+    assert unhooked_variants(declared, exports, {"cuGraphAddNode_v3": "why"}) == [
+        "cuCtxSynchronize_v2", "cuMemcpyHtoD_v2_ptds", "nvmlDeviceGetCount"]

@@ -413,6 +413,48 @@ def test_graph_launch_over_the_quota_is_counted_at_once(q):
     t.sh.ok(f"alloc {t.avail}")
 
 
+# ---- CUDA 13 ABIs ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def q13(sim, q):
+    """`q` on gpusim configured as a CUDA 13.5 driver, which hands out the 13.x ABIs."""
+    text = sim.run([GPUSIM, "default-config"]).stdout
+    assert "cuda_version = 12090" in text
+    sim.write_config(text.replace("cuda_version = 12090", "cuda_version = 13050"))
+    return q
+
+
+def test_cuda13_ctx_synchronize_gives_pool_memory_back(q13):
+    """cudart 13 synchronises a device through cuCtxSynchronize's 13.0 ABI
+    (`cuCtxSynchronize_v2(CUcontext)`, from cuGetProcAddress_v2 at 13000): that must be
+    libvcuda's wrapper, which lets the pools' cached memory go from the books as
+    cuCtxSynchronize does."""
+    t = q13(1025)
+    r = t.sh.ok(f"async {t.avail}")
+    assert t.sh.rc("alloc 512") == OOM
+    t.sh.ok(f"freeasync {r['id']}")
+    s = t.sh.ok("ctxsync13")
+    assert (s["lib"], s["fn"]) == ("libvcuda.so", "cuCtxSynchronize_v2"), s
+    assert t.used() == CONTEXT + MODULE
+    t.sh.ok(f"alloc {t.avail}")  # the pool's memory is no longer counted
+    t.check_peak()
+
+
+def test_cuda13_graph_add_node_v3_memory_is_counted(q13):
+    """A memory-allocation node made through cuGraphAddNode's 13.4 ABI (`cuGraphAddNode_v3`,
+    from cuGetProcAddress_v2 at 13040) is seen by libvcuda's wrapper: after the launch the
+    graph pool's memory counts against the quota, as with cuGraphAddMemAllocNode."""
+    t = q13(1024)
+    g = t.sh.ok(f"graph13 {64 * MiB}")
+    assert (g["lib"], g["fn"]) == ("libvcuda.so", "cuGraphAddNode_v3"), g
+    assert t.sh.ok("graphreserved")["reserved"] == 64 * MiB
+    assert t.info()[0] == t.avail - 64 * MiB
+    assert t.sh.rc(f"alloc {t.avail - 64 * MiB + 1}") == OOM
+    t.sh.ok(f"alloc {t.avail - 64 * MiB}")
+    t.check_peak()
+
+
 # ---- several processes, one container ------------------------------------------------------
 
 

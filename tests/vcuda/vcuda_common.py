@@ -58,7 +58,8 @@ class Shell:
         if not line:
             self.p.wait(timeout=10)
             raise AssertionError(f"{self.name}: no reply to {cmd!r}; exit {self.p.returncode}\n{self.p.stderr.read()}")
-        return {k: int(v) for k, v in (f.split("=", 1) for f in line.split())}
+        # numbers, but `lib=` names a file and `fn=` a symbol
+        return {k: v if k in ("lib", "fn") else int(v) for k, v in (f.split("=", 1) for f in line.split())}
 
     def ok(self, cmd):
         r = self.do(cmd)

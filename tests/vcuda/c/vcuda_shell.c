@@ -15,9 +15,16 @@
  *   async N | pool N | freeasync ID | poolreserved (the pool's reserved and used bytes)
  *   graph N (build + instantiate + launch a graph with one N-byte memory-alloc node)
  *   graphreserved | graphfree ID | trim
+ *   ctxsync13 | graph13 N: as `sync` (of the context) and `graph`, through the CUDA 13 ABIs
+ *     cudart 13 is handed by cuGetProcAddress_v2: cuCtxSynchronize at 13000 (its _v2,
+ *     `(CUcontext)`) and cuGraphAddNode at 13040 (its _v3); they reply `lib=` the file the
+ *     function pointer lies in (libvcuda.so when it is libvcuda's wrapper) and `fn=` the
+ *     symbol it is
  *   free ID | freeall (every live "alloc") | destroy ID | many N SIZE (N cuMemAlloc_v2 of SIZE)
  */
+#define _GNU_SOURCE
 #include <cuda.h>
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,6 +94,26 @@ static void reply(CUresult rc, int id, const char *extra) {
     if (extra && *extra) printf(" %s", extra);
     printf("\n");
     fflush(stdout);
+}
+
+/* The CUDA 13 ABIs (not in the 12.9 cuda.h this is built with). */
+typedef CUresult (*ctx_sync_v2_t)(CUcontext);
+typedef CUresult (*graph_add_node_t)(CUgraphNode *, CUgraph, const CUgraphNode *, const CUgraphEdgeData *, size_t,
+                                     CUgraphNodeParams *);
+
+/* cuGetProcAddress_v2(name, version) as cudart of that version asks; "lib=<file>" into extra. */
+static CUresult proc13(const char *name, int version, void **pfn, char *extra, size_t n) {
+    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    CUresult rc = cuGetProcAddress_v2(name, pfn, version, CU_GET_PROC_ADDRESS_DEFAULT, &st);
+    if (rc == CUDA_SUCCESS && (st != CU_GET_PROC_ADDRESS_SUCCESS || !*pfn)) rc = CUDA_ERROR_NOT_FOUND;
+    if (rc != CUDA_SUCCESS) return rc;
+    Dl_info info;
+    int found = dladdr(*pfn, &info);
+    const char *file = found && info.dli_fname ? info.dli_fname : "?";
+    const char *sym = found && info.dli_sname ? info.dli_sname : "?";
+    const char *base = strrchr(file, '/');
+    snprintf(extra, n, "lib=%s fn=%s", base ? base + 1 : file, sym);
+    return CUDA_SUCCESS;
 }
 
 static CUstream the_stream(void) {
@@ -277,6 +304,34 @@ int main(void) {
             if (rc == CUDA_SUCCESS) rc = cuStreamSynchronize(the_stream());
             if (rc == CUDA_SUCCESS) {
                 struct obj o = {.kind = K_GRAPH, .ptr = mp.dptr, .size = a};
+                id = add(o);
+            }
+        } else if (!strcmp(cmd, "ctxsync13")) {
+            void *p = NULL;
+            rc = proc13("cuCtxSynchronize", 13000, &p, extra, sizeof extra);
+            if (rc == CUDA_SUCCESS) rc = ((ctx_sync_v2_t)p)(NULL);
+        } else if (!strcmp(cmd, "graph13")) {
+            void *p = NULL;
+            CUgraph g;
+            CUgraphExec ex;
+            CUgraphNode node;
+            CUgraphNodeParams np;
+            memset(&np, 0, sizeof np);
+            np.type = CU_GRAPH_NODE_TYPE_MEM_ALLOC;
+            np.alloc.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+            np.alloc.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            np.alloc.poolProps.location.id = dev_ord;
+            np.alloc.bytesize = a;
+            rc = proc13("cuGraphAddNode", 13040, &p, extra, sizeof extra);
+            if (rc == CUDA_SUCCESS) {
+                CHECK(cuGraphCreate(&g, 0));
+                rc = ((graph_add_node_t)p)(&node, g, NULL, NULL, 0, &np);
+            }
+            if (rc == CUDA_SUCCESS) rc = cuGraphInstantiate(&ex, g, 0);
+            if (rc == CUDA_SUCCESS) rc = cuGraphLaunch(ex, the_stream());
+            if (rc == CUDA_SUCCESS) rc = cuStreamSynchronize(the_stream());
+            if (rc == CUDA_SUCCESS) {
+                struct obj o = {.kind = K_GRAPH, .ptr = np.alloc.dptr, .size = a};
                 id = add(o);
             }
         } else if (!strcmp(cmd, "graphreserved")) {

@@ -99,9 +99,10 @@ impl Meter for Measured<'_> {
     }
 }
 
-/// Periodic measurement of hidden memory on `dev` (only raises it).
-pub fn reconcile(v: &Vcuda, dev: usize) {
-    costs::measure_hidden(&Measured(v), v, dev, 0, Update::Raise);
+/// Measurement of hidden memory on `dev` that only raises it (the sweep's, and the first
+/// look's); whether NVML gave a clean reading.
+pub fn reconcile(v: &Vcuda, dev: usize) -> bool {
+    costs::measure_hidden(&Measured(v), v, dev, 0, Update::Raise).is_some()
 }
 
 /// Measurement after something was torn down (may lower it).
@@ -273,6 +274,8 @@ fn after_teardown(v: &Vcuda) {
     }
     v.refresh_pools();
     remeasure_all(v);
+    // A context made next through the runtime's private interface is not seen either.
+    v.look_at_hidden_again();
 }
 
 /// What a successful teardown took away.

@@ -1,7 +1,10 @@
 //! What the container sees of device memory through CUDA: a GPU the size of its quota.
 //! `cuMemGetInfo` reports total = min(quota, physical) and free = min(quota − what the
 //! container holds, the device's real free memory), never below zero; `cuDeviceTotalMem`
-//! reports min(quota, physical).
+//! reports min(quota, physical). What "holds" includes the memory the driver charges for
+//! this process's context: a context the CUDA runtime made through the driver's private
+//! interface is measured (NVML) at the first `cuMemGetInfo`, so `cudaMemGetInfo` right after
+//! the runtime initialises already shows free = quota − the context's cost.
 
 use std::ffi::c_uint;
 
@@ -37,6 +40,7 @@ unsafe fn mem_info_v2(free: *mut usize, total: *mut usize) -> CUresult {
     let Some(dev) = v.current_dev() else {
         return rc;
     };
+    v.look_at_hidden(dev);
     // SAFETY: the driver just wrote both (non-NULL) outputs.
     let (f, t) = unsafe { virtual_info(v, dev, *free as u64, *total as u64) };
     // SAFETY: as above.
@@ -61,6 +65,7 @@ unsafe fn mem_info_v1(free: *mut c_uint, total: *mut c_uint) -> CUresult {
         return CUDA_ERROR_INVALID_VALUE;
     }
     let dev = v.current_dev().unwrap_or(0);
+    v.look_at_hidden(dev);
     let (f, t) = virtual_info(v, dev, rf as u64, rt as u64);
     // SAFETY: non-NULL outputs the caller passed; the 32-bit API clamps.
     unsafe {

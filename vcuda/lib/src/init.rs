@@ -124,7 +124,7 @@ fn sweep(v: &Vcuda) {
     v.refresh_pools();
     crate::memory::refresh_graph_mem(v);
     for dev in 0..v.gpu_count() {
-        crate::context::reconcile(v, dev);
+        let _ = crate::context::reconcile(v, dev);
     }
 }
 

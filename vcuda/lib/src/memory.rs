@@ -48,6 +48,7 @@ hooks! {
     Cuda fn cuGraphAddMemAllocNode(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, n: usize, params: *mut CUDA_MEM_ALLOC_NODE_PARAMS) -> CUresult => graph_alloc_node;
     Cuda fn cuGraphAddNode(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, n: usize, params: *mut CUgraphNodeParams) -> CUresult => graph_add_node;
     Cuda fn cuGraphAddNode_v2(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, edges: *const CUgraphEdgeData, n: usize, params: *mut CUgraphNodeParams) -> CUresult => graph_add_node_v2;
+    Cuda fn cuGraphAddNode_v3(node: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, edges: *const CUgraphEdgeData, n: usize, params: *mut CUgraphNodeParams) -> CUresult => graph_add_node_v3;
     Cuda fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_launch;
     Cuda fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_launch_ptsz;
     Cuda fn cuGraphUpload(exec: CUgraphExec, stream: CUstream) -> CUresult => graph_upload;
@@ -56,6 +57,7 @@ hooks! {
     Cuda fn cuStreamSynchronize(stream: CUstream) -> CUresult => stream_sync;
     Cuda fn cuStreamSynchronize_ptsz(stream: CUstream) -> CUresult => stream_sync_ptsz;
     Cuda fn cuCtxSynchronize() -> CUresult => ctx_sync;
+    Cuda fn cuCtxSynchronize_v2(ctx: CUcontext) -> CUresult => ctx_sync_v2;
     Cuda fn cuEventSynchronize(event: CUevent) -> CUresult => event_sync;
 }
 
@@ -698,6 +700,11 @@ unsafe fn ctx_sync() -> CUresult {
     releasing_pools(|| forward!(MISSING, cuCtxSynchronize()))
 }
 
+/// CUDA 13.0's ABI: synchronises `ctx` (NULL: the current one).
+unsafe fn ctx_sync_v2(ctx: CUcontext) -> CUresult {
+    releasing_pools(|| forward!(MISSING, cuCtxSynchronize_v2(ctx)))
+}
+
 unsafe fn event_sync(event: CUevent) -> CUresult {
     releasing_pools(|| forward!(MISSING, cuEventSynchronize(event)))
 }
@@ -768,6 +775,22 @@ unsafe fn graph_add_node_v2(
     forward!(
         MISSING,
         cuGraphAddNode_v2(node, graph, deps, edges, n, params)
+    )
+}
+
+/// CUDA 13.4's ABI of `cuGraphAddNode` (the `_v2` signature).
+unsafe fn graph_add_node_v3(
+    node: *mut CUgraphNode,
+    graph: CUgraph,
+    deps: *const CUgraphNode,
+    edges: *const CUgraphEdgeData,
+    n: usize,
+    params: *mut CUgraphNodeParams,
+) -> CUresult {
+    note_node(params);
+    forward!(
+        MISSING,
+        cuGraphAddNode_v3(node, graph, deps, edges, n, params)
     )
 }
 

@@ -79,6 +79,11 @@ pub struct Vcuda {
     /// the driver knows us by, NVML not listing us means we hold nothing (after our last
     /// context went), not that the pid is unknown.
     listed_pid: AtomicU32,
+    /// GPUs (bit per config index) on which this process's hidden memory has been measured
+    /// once by [`Vcuda::reserve`]'s first look, and how many first looks were tried (see
+    /// [`Vcuda::look_at_hidden`]).
+    hidden_looked: AtomicU32,
+    hidden_tries: AtomicU32,
     /// Real NVML handles of the config's GPUs (config order), once NVML is initialised.
     nvml_handles: OnceLock<Vec<usize>>,
     /// Synchronisations (which let pools give cached memory back to the device) hold this
@@ -196,6 +201,8 @@ impl Vcuda {
             visible: Visible::default(),
             single: AtomicU64::new(u64::MAX),
             listed_pid: AtomicU32::new(0),
+            hidden_looked: AtomicU32::new(0),
+            hidden_tries: AtomicU32::new(0),
             nvml_handles: OnceLock::new(),
             pool_sync: RwLock::new(()),
             pool_alloc: Mutex::new(()),
@@ -228,6 +235,8 @@ impl Vcuda {
         });
         self.me.store(pack(me), Relaxed);
         self.listed_pid.store(0, Relaxed);
+        self.hidden_looked.store(0, Relaxed);
+        self.hidden_tries.store(0, Relaxed);
         self.limiter.reset_after_fork();
         FORKED.store(false, Release);
         (crate::LIFECYCLE.after_fork)(self);
@@ -362,11 +371,40 @@ impl Vcuda {
     /// on refusal, reclaim dead processes and refresh pool figures, then try once more.
     #[inline]
     pub fn reserve(&self, dev: usize, bytes: u64) -> bool {
+        if self.hidden_looked.load(Relaxed) & (1 << dev) == 0 {
+            self.look_at_hidden(dev);
+        }
         let me = self.me();
         if self.region.reserve(me, dev, bytes, self.limits[dev]) {
             return true;
         }
         self.reserve_slow(me, dev, bytes)
+    }
+
+    /// Count what the driver already charges this process on `dev` that no hooked call
+    /// showed: a context the CUDA runtime made through the driver's private interface
+    /// (cudart's primary context is not made by `cuDevicePrimaryCtxRetain`), before the
+    /// first reservation and the first `cuMemGetInfo` rely on the books. Once per GPU once
+    /// NVML has given a clean reading; at most 8 tries in all while it does not (before the
+    /// process has a context NVML does not list it), so a process NVML never lists does not
+    /// pay for a query on every allocation. The sweep measures it anyway every 500 ms.
+    #[cold]
+    #[inline(never)]
+    pub fn look_at_hidden(&self, dev: usize) {
+        if self.hidden_looked.load(Relaxed) & (1 << dev) != 0
+            || self.hidden_tries.fetch_add(1, Relaxed) >= 8
+        {
+            return;
+        }
+        if crate::context::reconcile(self, dev) {
+            self.hidden_looked.fetch_or(1 << dev, Relaxed);
+        }
+    }
+
+    /// After a teardown: the next reservation or `cuMemGetInfo` looks again.
+    pub fn look_at_hidden_again(&self) {
+        self.hidden_looked.store(0, Relaxed);
+        self.hidden_tries.store(0, Relaxed);
     }
 
     #[cold]

@@ -54,6 +54,21 @@ int main(int argc, char **argv) {
     if (rc != 0)
         return 0;
 
+    /* PROBE_FIRST_MALLOC_MIB: allocate that much first, before anything else makes the
+     * runtime look at memory (its primary context is made by this call) */
+    const char *first = getenv("PROBE_FIRST_MALLOC_MIB");
+    if (first) {
+        void *p = NULL;
+        size_t mib = strtoull(first, NULL, 10);
+        rc = cudaMalloc(&p, mib << 20);
+        snprintf(buf, sizeof buf, "%zu MiB", mib);
+        report("cudaMalloc(first)", rc, buf);
+        if (rc == 0)
+            report("cudaFree(first)", cudaFree(p), NULL);
+        else
+            report("cudaGetLastError", cudaGetLastError(), NULL);
+    }
+
     size_t free_b = 0, total_b = 0;
     rc = cudaMemGetInfo(&free_b, &total_b);
     snprintf(buf, sizeof buf, "free %.0f MiB total %.0f MiB", free_b / MIB, total_b / MIB);
