@@ -223,4 +223,5 @@ pub mod visible;
 pub(crate) static LIFECYCLE: state::Lifecycle = state::Lifecycle {
     start: init::start,
     after_fork: init::after_fork,
+    measure_hidden: context::reconcile,
 };

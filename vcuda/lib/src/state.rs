@@ -44,6 +44,9 @@ pub struct Lifecycle {
     pub start: fn() -> Result<Vcuda, Failure>,
     /// In a forked child, once the state is renewed: restart the background threads.
     pub after_fork: fn(&'static Vcuda),
+    /// Measure this process's hidden memory on a GPU, only raising it (`context`'s, the
+    /// sweep's measurement); whether NVML gave a clean reading.
+    pub measure_hidden: fn(&Vcuda, usize) -> bool,
 }
 
 /// Objects whose memory is tracked by handle rather than by pointer (under one lock).
@@ -396,7 +399,7 @@ impl Vcuda {
         {
             return;
         }
-        if crate::context::reconcile(self, dev) {
+        if (crate::LIFECYCLE.measure_hidden)(self, dev) {
             self.hidden_looked.fetch_or(1 << dev, Relaxed);
         }
     }
