@@ -1,9 +1,17 @@
-//! vcuda-smi's pure parts: picking GPUs and drawing the table. The binary (`main.rs`) asks
-//! vcuda-manager over its socket and prints what these return.
+//! vcuda-smi's pure parts: picking GPUs and drawing the table; the self-test's decisions
+//! (`selftest`). The binary (`main.rs`) asks vcuda-manager over its socket and prints what
+//! these return, and runs the self-test's workload and measurements.
 
 #![forbid(unsafe_code)]
 
 use std::fmt::Write as _;
+
+/// The glibc baseline rule, shared with vcuda-manager (which refuses to mount a library
+/// outside it): the same file, compiled here, so the self-test and the manager cannot
+/// disagree. Pure: it reads bytes.
+#[path = "../../../manager/src/baseline.rs"]
+pub mod baseline;
+pub mod selftest;
 
 use vcuda_contract::view::View;
 
@@ -34,7 +42,7 @@ fn secs(ns: u64) -> String {
 }
 
 /// A table: a header row and data rows, columns padded to fit, `|` between them.
-fn table(out: &mut String, header: &[&str], rows: &[Vec<String>], right: &[bool]) {
+pub(crate) fn table(out: &mut String, header: &[&str], rows: &[Vec<String>], right: &[bool]) {
     let mut width: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {

@@ -1,6 +1,11 @@
 //! `vcuda-smi`: see `vcuda-smi --help`.
 
-#![forbid(unsafe_code)]
+// Only the self-test's workload calls the driver through raw function pointers.
+#![deny(unsafe_code)]
+
+mod probe;
+#[allow(unsafe_code)]
+mod worker;
 
 use std::io::Write as _;
 use std::os::unix::net::UnixStream;
@@ -8,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{anyhow, Context};
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use vcuda_contract::config::ContainerConfig;
 use vcuda_contract::control::{encode_request, read_view, Request};
 use vcuda_contract::view::View;
@@ -31,11 +36,22 @@ container: the control socket its config names), refreshed by the manager every 
 With the manager down it says so in one line and exits 1.
 
 --json prints the view in the documented, stable schema (vcuda/contract/src/view.rs;
-units are in the field names).";
+units are in the field names).
+
+`vcuda-smi selftest` checks vcuda on a GPU node against its real driver: a small workload
+under libvcuda with a quota and a share, judged by NVML (vcuda-smi selftest --help).";
 
 #[derive(Parser)]
-#[command(name = "vcuda-smi", version, about = ABOUT, long_about = ABOUT)]
+#[command(
+    name = "vcuda-smi",
+    version,
+    about = ABOUT,
+    long_about = ABOUT,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Cmd>,
     /// Print JSON (one document; with --watch one per line) instead of the table.
     #[arg(long)]
     json: bool,
@@ -53,6 +69,16 @@ struct Cli {
     /// else /etc/vcuda/vcuda.toml; absent means a node).
     #[arg(long, value_name = "PATH")]
     config: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Check libvcuda on this GPU node: quota, share and library, against the real driver.
+    #[command(long_about = probe::SELFTEST_ABOUT)]
+    Selftest(probe::SelftestArgs),
+    /// The self-test's workload (run by `selftest` under the library; not for direct use).
+    #[command(name = "selftest-worker", hide = true)]
+    SelftestWorker(worker::WorkerArgs),
 }
 
 /// Where to ask, and for what.
@@ -163,6 +189,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
 
 fn main() {
     let cli = Cli::parse();
+    match &cli.command {
+        Some(Cmd::Selftest(a)) => std::process::exit(probe::main(a)),
+        Some(Cmd::SelftestWorker(a)) => std::process::exit(worker::main(a)),
+        None => {}
+    }
     if let Err(e) = run(&cli) {
         // One line, what happened and what to do.
         let mut msg = format!("{e:#}");
