@@ -284,11 +284,10 @@ def test_cuda13_runtime_under_vcuda_sees_the_quota(sim, probe13):
 
 @pytest.mark.parametrize("runtime", ["12.9", "13.5"])
 def test_the_runtimes_context_counts_before_the_first_allocation(sim, probe, probe13, runtime):
-    """cudart makes its primary context through the driver's private interface, which no
-    hooked entry point sees; libvcuda measures what the driver charges before the first
-    reservation relies on its books. So right after start, with a 4096 MiB quota, 3796 MiB
-    fit (gpusim charges 300 MiB for a context) and 3797 MiB do not; after
-    cudaDeviceReset the new primary context is counted again."""
+    """cudart takes its primary context's handle from the driver's private table and
+    activates it with cuDevicePrimaryCtxRetain, which libvcuda holds for. So right after
+    start, with a 4096 MiB quota, 3796 MiB fit (gpusim charges 300 MiB for a context) and
+    3797 MiB do not; after cudaDeviceReset the new primary context is counted again."""
     if runtime == "13.5":
         configure_cuda13(sim)
     exe = probe if runtime == "12.9" else probe13

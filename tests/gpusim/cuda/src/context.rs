@@ -135,14 +135,16 @@ pub fn synchronize(d: &Driver, id: u64) -> R {
     Ok(())
 }
 
-/// Retain device `dev`'s (config index) primary context, creating it on first use.
+/// Retain device `dev`'s (config index) primary context, activating it (creating the context
+/// behind its handle) on first use.
 pub fn retain_primary(d: &Driver, dev: usize) -> Result<u64, CUresult> {
     let mut inner = d.inner.lock();
     let p = inner.primary[dev];
     let id = match p.ctx {
         Some(id) => id,
         None => {
-            let id = create_ctx(d, &mut inner, dev, p.flags, true, None)?;
+            let handle = inner.primary_handle(dev);
+            let id = create_ctx(d, &mut inner, dev, p.flags, true, Some(handle))?;
             inner.primary[dev].ctx = Some(id);
             id
         }
@@ -282,7 +284,7 @@ exports! {
             set_current(None);
             return Ok(());
         }
-        if !d.inner.lock().ctxs.contains_key(&ctx.id()) {
+        if !d.inner.lock().is_context_handle(ctx.id()) {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
         set_current(Some(ctx.id()));
@@ -290,7 +292,7 @@ exports! {
     }
     fn cuCtxGetCurrent(pctx: Out<CUcontext>) {
         let d = driver()?;
-        let cur = current_ctx_id().filter(|id| d.inner.lock().ctxs.contains_key(id));
+        let cur = current_ctx_id().filter(|id| d.inner.lock().is_context_handle(*id));
         pctx.write(cur.map_or(Handle::NULL, Handle::from_id))
     }
     fn cuCtxGetDevice(dev: Out<CUdevice>) {
@@ -474,7 +476,7 @@ fn cuCtxDestroy_body(ctx: CUcontext) -> R {
 
 fn push_body(ctx: CUcontext) -> R {
     let d = driver()?;
-    if !d.inner.lock().ctxs.contains_key(&ctx.id()) {
+    if !d.inner.lock().is_context_handle(ctx.id()) {
         return Err(CUDA_ERROR_INVALID_CONTEXT);
     }
     push_current(ctx.id());

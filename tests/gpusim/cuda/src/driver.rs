@@ -55,7 +55,11 @@ pub struct Ctx {
 
 #[derive(Default, Clone, Copy)]
 pub struct Primary {
+    /// The context, while it is active (retained, not released or reset since).
     pub ctx: Option<u64>,
+    /// Its handle, fixed the first time anyone asks for it: the same whether or not the
+    /// context is active, as the real driver's primary context object outlives activations.
+    pub handle: Option<u64>,
     pub refs: u32,
     pub flags: u32,
 }
@@ -171,6 +175,25 @@ pub struct Inner {
 }
 
 impl Inner {
+    /// The handle of device `dev`'s (config index) primary context, active or not.
+    pub fn primary_handle(&mut self, dev: usize) -> u64 {
+        match self.primary[dev].handle {
+            Some(id) => id,
+            None => {
+                let id = self.new_id();
+                self.primary[dev].handle = Some(id);
+                id
+            }
+        }
+    }
+
+    /// Whether `id` may be made current: a live context, or a primary context's handle while
+    /// the context is inactive (cudart makes it current, then retains it). Calls that need
+    /// the context itself find it missing until it is retained.
+    pub fn is_context_handle(&self, id: u64) -> bool {
+        self.ctxs.contains_key(&id) || self.primary.iter().any(|p| p.handle == Some(id))
+    }
+
     fn new(num_gpus: usize) -> Inner {
         Inner {
             next_id: 0,

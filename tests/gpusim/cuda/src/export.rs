@@ -131,13 +131,16 @@ table_fns! {
         load_wrapper(out, wrapper)
     }
     fn primary_context(pctx: Out<CUcontext>, dev: CUdevice) {
-        // The device's primary context, retained; the current context is left alone.
+        // The handle of the device's primary context, neither retained nor activated:
+        // cudart asks for every device's at initialisation and retains (cuDevicePrimaryCtxRetain)
+        // only the devices it uses, as a process shows on only those GPUs with a real driver.
+        // The current context is left alone.
         let d = driver()?;
         if pctx.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let dev = d.device(dev)?;
-        let id = crate::context::retain_primary(d, dev)?;
+        let id = d.inner.lock().primary_handle(dev);
         pctx.write(Handle::from_id(id))
     }
     fn get_module_from_cubin_ext1(out: Out<CUmodule>, wrapper: In<FatbinWrapper>, arg3: *mut c_void, arg4: *mut c_void, arg5: u32) {
