@@ -103,6 +103,20 @@ def test_context_and_module_count_against_the_quota(q):
     t.check_peak()
 
 
+def test_memory_no_hook_sees_counts_before_the_first_allocation(q):
+    """A module loaded through the runtime's private table (CUDART_INTERFACE [1], gpusim
+    charges 1 MiB) passes no hooked call. Before the first reservation relies on the books,
+    libvcuda asks NVML what the driver charges the process: the context and that module. So
+    the quota less the context no longer fits, the quota less both does."""
+    t = q(1024, module=False)
+    t.sh.ok("privmodule")
+    assert proc_memory(t.sim, t.sh.pid) == CONTEXT + MODULE
+    assert t.sh.rc(f"alloc {1024 * MiB - CONTEXT}") == OOM, "the private module was not counted"
+    t.sh.ok(f"alloc {1024 * MiB - CONTEXT - MODULE}")
+    assert t.used() == 1024 * MiB
+    t.check_peak()
+
+
 @pytest.mark.parametrize("teardown", ["ctxdestroy", "primary"])
 def test_what_a_torn_down_context_held_is_no_longer_counted(q, teardown):
     """cuCtxDestroy, or cuDevicePrimaryCtxReset, frees the context's memory with no cuMemFree

@@ -15,6 +15,8 @@
  *   async N | pool N | freeasync ID | poolreserved (the pool's reserved and used bytes)
  *   graph N (build + instantiate + launch a graph with one N-byte memory-alloc node)
  *   graphreserved | graphfree ID | trim
+ *   privmodule: load a module through the runtime's private table (CUDART_INTERFACE [1], the
+ *     fatbin-wrapper loader cudart's module registration may use): no hooked call sees it
  *   ctxsync13 | graph13 N: as `sync` (of the context) and `graph`, through the CUDA 13 ABIs
  *     cudart 13 is handed by cuGetProcAddress_v2: cuCtxSynchronize at 13000 (its _v2,
  *     `(CUcontext)`) and cuGraphAddNode at 13040 (its _v3); they reply `lib=` the file the
@@ -115,6 +117,12 @@ static CUresult proc13(const char *name, int version, void **pfn, char *extra, s
     snprintf(extra, n, "lib=%s fn=%s", base ? base + 1 : file, sym);
     return CUDA_SUCCESS;
 }
+
+/* CUDART_INTERFACE: cuGetExportTable's table of the runtime's private driver calls. */
+static const CUuuid CUDART_INTERFACE = {{(char)0x6b, (char)0xd5, (char)0xfb, (char)0x6c, (char)0x5b, (char)0xf4,
+                                         (char)0xe7, (char)0x4a, (char)0x89, (char)0x87, (char)0xd9, (char)0x39,
+                                         (char)0x12, (char)0xfd, (char)0x9d, (char)0xf9}};
+typedef CUresult (*module_from_wrapper_t)(CUmodule *, const void *);
 
 static CUstream the_stream(void) {
     if (!stream) CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
@@ -305,6 +313,14 @@ int main(void) {
             if (rc == CUDA_SUCCESS) {
                 struct obj o = {.kind = K_GRAPH, .ptr = mp.dptr, .size = a};
                 id = add(o);
+            }
+        } else if (!strcmp(cmd, "privmodule")) {
+            const void *table = NULL;
+            rc = cuGetExportTable(&table, &CUDART_INTERFACE);
+            if (rc == CUDA_SUCCESS) {
+                struct { unsigned int magic, version; const void *data, *filename; } w = {0x466243B1, 1, PTX, NULL};
+                CUmodule m;
+                rc = ((module_from_wrapper_t)((void *const *)table)[1])(&m, &w);
             }
         } else if (!strcmp(cmd, "ctxsync13")) {
             void *p = NULL;

@@ -2,9 +2,9 @@
 //! `cuMemGetInfo` reports total = min(quota, physical) and free = min(quota − what the
 //! container holds, the device's real free memory), never below zero; `cuDeviceTotalMem`
 //! reports min(quota, physical). What "holds" includes the memory the driver charges for
-//! this process's context: a context the CUDA runtime made through the driver's private
-//! interface is measured (NVML) at the first `cuMemGetInfo`, so `cudaMemGetInfo` right after
-//! the runtime initialises already shows free = quota − the context's cost.
+//! this process's contexts and modules, also what no hooked call saw (measured by NVML at
+//! the first `cuMemGetInfo`), so `cudaMemGetInfo` right after the runtime initialises
+//! shows free = quota − the context's cost.
 
 use std::ffi::c_uint;
 

@@ -385,9 +385,9 @@ impl Vcuda {
     }
 
     /// Count what the driver already charges this process on `dev` that no hooked call
-    /// showed: a context the CUDA runtime made through the driver's private interface
-    /// (cudart's primary context is not made by `cuDevicePrimaryCtxRetain`), before the
-    /// first reservation and the first `cuMemGetInfo` rely on the books. Once per GPU once
+    /// showed (a module loaded through the runtime's private table, what a library makes
+    /// through `cuGetExportTable`), before the first reservation and the first
+    /// `cuMemGetInfo` rely on the books. Once per GPU once
     /// NVML has given a clean reading; at most 8 tries in all while it does not (before the
     /// process has a context NVML does not list it), so a process NVML never lists does not
     /// pay for a query on every allocation. The sweep measures it anyway every 500 ms.
