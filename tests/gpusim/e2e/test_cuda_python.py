@@ -68,3 +68,49 @@ def test_cuda_python_runs_a_workload(sim):
     assert sim.status()["gpus"][1]["memory_used"] == 0, "cuMemFree and cuCtxDestroy gave it all back"
     p.stdin.close()
     assert p.wait() == 0, p.stderr.read()
+
+
+WRITE_VALUE = r"""
+import ctypes, json
+from cuda.bindings import driver as cu
+
+def ok(r):
+    err, *rest = r if isinstance(r, tuple) else (r,)
+    assert err == cu.CUresult.CUDA_SUCCESS, (err, r)
+    return rest[0] if len(rest) == 1 else rest
+
+ok(cu.cuInit(0))
+ctx = ok(cu.cuCtxCreate(0, ok(cu.cuDeviceGet(0))))
+ptr = ok(cu.cuMemAlloc(64))
+ok(cu.cuMemsetD8(ptr, 0, 64))
+stream = ok(cu.cuStreamCreate(0))
+ok(cu.cuStreamWriteValue32(stream, int(ptr) + 4, 0xDEADBEEF, 0))
+ok(cu.cuStreamWriteValue32(stream, int(ptr) + 8, 7, 1))  # CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
+ok(cu.cuStreamSynchronize(stream))
+back = bytearray(16)
+ok(cu.cuMemcpyDtoH(back, ptr, 16))
+out = {
+    "words": [int.from_bytes(back[i:i + 4], "little") for i in range(0, 16, 4)],
+    "bad_flags": int(cu.cuStreamWriteValue32(stream, ptr, 1, 2)[0]),
+    "unaligned": int(cu.cuStreamWriteValue32(stream, int(ptr) + 2, 1, 0)[0]),
+    "not_device": int(cu.cuStreamWriteValue32(stream, 4096, 1, 0)[0]),
+}
+# what PyTorch's c10::cuda::DriverAPI asks for: the name at CUDA 12000
+lib = ctypes.CDLL("libcuda.so.1")
+fn, status = ctypes.c_void_p(), ctypes.c_int(-1)
+lib.cuGetProcAddress_v2(b"cuStreamWriteValue32", ctypes.byref(fn), 12000, 0, ctypes.byref(status))
+out["procaddr"] = [status.value, fn.value == ctypes.cast(lib.cuStreamWriteValue32_v2, ctypes.c_void_p).value]
+print(json.dumps(out))
+"""
+
+
+def test_stream_write_value_writes_the_word(sim):
+    """cuStreamWriteValue32 (the _v2 ABI every caller from CUDA 11.7 on gets): PyTorch's
+    c10::cuda::DriverAPI requires it, and without it every out-of-memory in PyTorch's
+    caching allocator is a RuntimeError instead of torch.OutOfMemoryError."""
+    out = json.loads(sim.python(WRITE_VALUE).stdout)
+    assert out["words"] == [0, 0xDEADBEEF, 7, 0]
+    assert out["bad_flags"] == 1, "flags other than 0 and 1: CUDA_ERROR_INVALID_VALUE"
+    assert out["unaligned"] == 1
+    assert out["not_device"] == 1
+    assert out["procaddr"] == [0, True]

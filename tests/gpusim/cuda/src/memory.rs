@@ -310,6 +310,18 @@ fn memset(dst: u64, value: u32, elem: u64, count: u64, pitch: u64, rows: u64, sy
     Ok(())
 }
 
+/// cuStreamWriteValue32(_v2): write `value` to the 4-byte aligned device word `addr` in
+/// stream order. gpusim's kernels compute nothing, so the word is written at once, as an
+/// async memset is. `flags`: CU_STREAM_WRITE_VALUE_DEFAULT (0) or
+/// CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER (1).
+fn write_value32(stream: CUstream, addr: u64, value: u32, flags: u32) -> R {
+    let _ = stream;
+    if flags & !1 != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    memset(addr, value, 4, 1, 0, 1, false)
+}
+
 /// Which sides of a copy must be device memory of ours.
 #[derive(Clone, Copy)]
 enum Sides {
@@ -848,6 +860,15 @@ exports! {
     fn cuMemsetD32Async_ptsz(dst: CUdeviceptr, v: c_uint, n: usize, stream: CUstream) {
         let _ = stream;
         memset(dst, v, 4, n as u64, 0, 1, false)
+    }
+    // PyTorch's c10::cuda::DriverAPI requires cuStreamWriteValue32 (asked for at 12000: the
+    // _v2 ABI); its caching allocator builds that table when an allocation fails, so without
+    // it every out-of-memory in PyTorch is a RuntimeError instead of torch.OutOfMemoryError.
+    fn cuStreamWriteValue32_v2(stream: CUstream, addr: CUdeviceptr, value: c_uint, flags: c_uint) {
+        write_value32(stream, addr, value, flags)
+    }
+    fn cuStreamWriteValue32_v2_ptsz(stream: CUstream, addr: CUdeviceptr, value: c_uint, flags: c_uint) {
+        write_value32(stream, addr, value, flags)
     }
     fn cuMemsetD2D8_v2(dst: CUdeviceptr, pitch: usize, v: u8, w: usize, h: usize) {
         memset(dst, u32::from(v), 1, w as u64, pitch as u64, h as u64, true)
