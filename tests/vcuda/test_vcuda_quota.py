@@ -433,9 +433,7 @@ def test_graph_launch_over_the_quota_is_counted_at_once(q):
 @pytest.fixture
 def q13(sim, q):
     """`q` on gpusim configured as a CUDA 13.5 driver, which hands out the 13.x ABIs."""
-    text = sim.run([GPUSIM, "default-config"]).stdout
-    assert "cuda_version = 12090" in text
-    sim.write_config(text.replace("cuda_version = 12090", "cuda_version = 13050"))
+    sim.configure_cuda(13050)
     return q
 
 

@@ -7,7 +7,7 @@ import subprocess
 
 import pathlib
 
-from gpusim_harness import C_COMMON, LIB
+from gpusim_harness import C_COMMON, LIB, LineProcess
 
 # The library's test programs (they include gpusim_harness.C_COMMON's common.h).
 C = pathlib.Path(__file__).resolve().parent / "c"
@@ -42,32 +42,19 @@ def build(cc, out, name, *extra, link_cuda=True):
     return cc(src, out / name, *args, *extra)
 
 
-class Shell:
+class Shell(LineProcess):
     """A running c/vcuda_shell.c: `do("alloc 4096")` sends one command and returns its reply
-    as a dict of ints ({"rc": 0, "id": 3, ...})."""
+    as a dict of ints ({"rc": 0, "id": 3, ...}; `lib=` names a file and `fn=` a symbol)."""
+
+    TEXT = ("lib", "fn")
 
     def __init__(self, env_owner, program, name="shell", prefix=()):
-        self.name = name
-        self.p = env_owner.popen([*prefix, program], stdin=subprocess.PIPE)
-        self.pid = self.p.pid
-
-    def do(self, cmd):
-        self.p.stdin.write(cmd + "\n")
-        self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
-            self.p.wait(timeout=10)
-            raise AssertionError(f"{self.name}: no reply to {cmd!r}; exit {self.p.returncode}\n{self.p.stderr.read()}")
-        # numbers, but `lib=` names a file and `fn=` a symbol
-        return {k: v if k in ("lib", "fn") else int(v) for k, v in (f.split("=", 1) for f in line.split())}
+        super().__init__(env_owner, [*prefix, program], name)
 
     def ok(self, cmd):
         r = self.do(cmd)
         assert r["rc"] == CUDA_SUCCESS, f"{self.name}: {cmd!r} -> {r}"
         return r
-
-    def rc(self, cmd):
-        return self.do(cmd)["rc"]
 
     def start(self, module=True):
         """cuInit, a context on device 0, and (by default) one module: 301 MiB on gpusim."""

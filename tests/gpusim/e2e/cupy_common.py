@@ -12,6 +12,8 @@ import pathlib
 import subprocess
 import sys
 
+from gpusim_harness import LineProcess
+
 HERE = pathlib.Path(__file__).resolve().parent
 SHELL = HERE / "cupy_shell.py"
 MiB = 1 << 20
@@ -35,32 +37,18 @@ def cupy_env(env):
     return env
 
 
-class CupyShell:
+class CupyShell(LineProcess):
     """A running cupy_shell.py: `do("alloc 4096")` sends one command and returns its reply as
     a dict of ints ({"rc": 0, "id": 3}); CuPy's OutOfMemoryError is {"rc": 2, "oom": 1}."""
 
     def __init__(self, env_owner, name="cupy"):
-        self.name = name
-        self.p = env_owner.popen([sys.executable, SHELL], stdin=subprocess.PIPE)
-        self.pid = self.p.pid
-
-    def do(self, cmd):
-        self.p.stdin.write(cmd + "\n")
-        self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
-            self.p.wait(timeout=10)
-            raise AssertionError(f"{self.name}: no reply to {cmd!r}; exit {self.p.returncode}\n{self.p.stderr.read()}")
-        return {k: int(v) for k, v in (f.split("=", 1) for f in line.split())}
+        super().__init__(env_owner, [sys.executable, SHELL], name)
 
     def ok(self, cmd):
         r = self.do(cmd)
         if r["rc"] != 0:
             raise AssertionError(f"{self.name}: {cmd!r} -> {r}\n{self.stop()}")
         return r
-
-    def rc(self, cmd):
-        return self.do(cmd)["rc"]
 
     def stop(self):
         """End the process (stdin closed) and return its stderr: what failed, and why."""

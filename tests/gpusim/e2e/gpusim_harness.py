@@ -37,6 +37,19 @@ def cuda_include_dir():
     raise RuntimeError("cuda.h not found in the nvidia-cuda-runtime-cu12 wheel; run scripts/setup-test-deps")
 
 
+def cudart_lib_dir(major):
+    """The CUDA runtime's library directory: libcudart.so.12 from nvidia-cuda-runtime-cu12
+    (nvidia/cuda_runtime/lib), libcudart.so.13 from the 13.x wheel (nvidia/cu13/lib)."""
+    import nvidia  # type: ignore
+
+    sub, name = (("cuda_runtime", "lib"), "libcudart.so.12") if major == 12 else (("cu13", "lib"), "libcudart.so.13")
+    for base in nvidia.__path__:
+        lib = pathlib.Path(base).joinpath(*sub)
+        if (lib / name).exists():
+            return lib
+    raise RuntimeError(f"{name} not found under nvidia/{'/'.join(sub)}; run scripts/setup-test-deps")
+
+
 def nvml_include_dir():
     import nvidia.nvml_dev  # type: ignore
 
@@ -72,6 +85,11 @@ class Sim:
         self.env.pop("GPUSIM_CONFIG", None)
         # gpusim's libcuda honours it; tests that want it set it themselves.
         self.env.pop("CUDA_VISIBLE_DEVICES", None)
+
+    def configure_cuda(self, version: int) -> pathlib.Path:
+        """gpusim as a driver of CUDA `version` (e.g. 13050): the documented way
+        (tests/gpusim/README.md, "CUDA 13"), before any process creates the state."""
+        return self.write_config(self.run([GPUSIM, "default-config", "--cuda-version", version]).stdout)
 
     def write_config(self, text: str) -> pathlib.Path:
         """Use `text` as the GPU description (before any process creates the state)."""
@@ -128,6 +146,31 @@ class Sim:
 
     def gpusim(self, *args, **kw):
         return self.run([GPUSIM, *args], **kw)
+
+
+class LineProcess:
+    """A process driven one command per line (the C shells, the CuPy shell): `do(cmd)` writes
+    the line and returns the one-line reply's `key=value` fields, as ints except the keys in
+    `TEXT`."""
+
+    TEXT = ()
+
+    def __init__(self, env_owner, argv, name):
+        self.name = name
+        self.p = env_owner.popen(argv, stdin=subprocess.PIPE)
+        self.pid = self.p.pid
+
+    def do(self, cmd):
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            self.p.wait(timeout=10)
+            raise AssertionError(f"{self.name}: no reply to {cmd!r}; exit {self.p.returncode}\n{self.p.stderr.read()}")
+        return {k: v if k in self.TEXT else int(v) for k, v in (f.split("=", 1) for f in line.split())}
+
+    def rc(self, cmd):
+        return self.do(cmd)["rc"]
 
 
 class Container:

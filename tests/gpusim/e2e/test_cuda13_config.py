@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from gpusim_harness import C_COMMON, GPUSIM
+from gpusim_harness import C_COMMON, GPUSIM, cudart_lib_dir
 
 VERSIONS = textwrap.dedent(
     """
@@ -86,21 +86,11 @@ def test_explicit_driver_version_is_kept(sim):
     assert (v["cu_driver"], v["driver"], v["nvml"]) == (13010, "590.44.01", "13.590.44.01")
 
 
-def cudart13_lib_dir():
-    import nvidia  # type: ignore
-
-    for base in nvidia.__path__:
-        lib = pathlib.Path(base) / "cu13" / "lib"
-        if (lib / "libcudart.so.13").exists():
-            return lib
-    raise RuntimeError("libcudart.so.13 not found under nvidia/cu13/lib; run scripts/setup-test-deps")
-
-
 def test_cuda13_runtime_runs_on_the_documented_config(sim, cc, tmp_path):
     """What the README tells a user to do, done: the CUDA 13.5 runtime initialises, allocates,
     copies and frees. With the default (12.9) config it refuses the driver instead
     (cudaErrorInsufficientDriver, 35)."""
-    lib = cudart13_lib_dir()
+    lib = cudart_lib_dir(13)
     probe = cc(C_COMMON / "cudart_basic.c", tmp_path / "cudart_basic13", f"-L{lib}", "-l:libcudart.so.13",
                f"-Wl,-rpath,{lib}")
     refused = sim.run([probe, "64"]).stdout

@@ -13,37 +13,16 @@ import pathlib
 
 import pytest
 
-from gpusim_harness import C_COMMON
+from gpusim_harness import C_COMMON, cudart_lib_dir
 
 PROBE = C_COMMON / "cudart_basic.c"
 LAUNCH = C_COMMON / "cudart_launch.c"
 
 
-def cudart_lib_dir():
-    import nvidia.cuda_runtime  # type: ignore
-
-    for base in nvidia.cuda_runtime.__path__:
-        lib = pathlib.Path(base) / "lib"
-        if (lib / "libcudart.so.12").exists():
-            return lib
-    raise RuntimeError("libcudart.so.12 not found in the nvidia-cuda-runtime-cu12 wheel; run scripts/setup-test-deps")
-
-
-def cudart13_lib_dir():
-    """The CUDA 13.5 runtime: nvidia/cu13/lib/libcudart.so.13 (cuda-toolkit 13.x wheels)."""
-    import nvidia  # type: ignore
-
-    for base in nvidia.__path__:
-        lib = pathlib.Path(base) / "cu13" / "lib"
-        if (lib / "libcudart.so.13").exists():
-            return lib
-    raise RuntimeError("libcudart.so.13 not found under nvidia/cu13/lib; run scripts/setup-test-deps")
-
-
 def build_probe(cc, tmp_path_factory, source, major):
     """`source` linked against the wheel's libcudart.so.`major` only; cudart dlopens
     libcuda.so.1 itself, and finds gpusim's first on LD_LIBRARY_PATH."""
-    lib = cudart_lib_dir() if major == 12 else cudart13_lib_dir()
+    lib = cudart_lib_dir(major)
     out = tmp_path_factory.mktemp(f"cudart{major}") / pathlib.Path(source).stem
     return cc(source, out, f"-L{lib}", f"-l:libcudart.so.{major}", f"-Wl,-rpath,{lib}")
 
@@ -217,8 +196,7 @@ print("current", get_dev(ctypes.byref(dev), None), dev.value, sync(None))
 def test_cuda13_abis_and_version_before_init(sim):
     """With cuda_version = 13050 configured, cuGetProcAddress takes 13.x requests before
     cuInit (cudart 13 asks then) and hands out the 13.0 ABIs cudart 13 requires."""
-    text = sim.run([sim.env["PATH"].split(":")[0] + "/gpusim", "default-config"]).stdout
-    sim.write_config(text.replace("cuda_version = 12090", "cuda_version = 13050"))
+    sim.configure_cuda(13050)
     p = sim.python(CUDA13_PROBE)
     print(p.stdout)
     lines = dict(line.split(" ", 1) for line in p.stdout.splitlines())
@@ -234,9 +212,7 @@ def test_cuda13_abis_and_version_before_init(sim):
 
 def configure_cuda13(sim):
     """gpusim as a CUDA 13.5 driver (cuda_version = 13050): what cudart 13.5 requires."""
-    text = sim.run([sim.env["PATH"].split(":")[0] + "/gpusim", "default-config"]).stdout
-    assert "cuda_version = 12090" in text
-    sim.write_config(text.replace("cuda_version = 12090", "cuda_version = 13050"))
+    sim.configure_cuda(13050)
 
 
 def test_cuda13_runtime_initialises_and_runs_on_gpusim(sim, probe13):

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from gpusim_harness import C_COMMON, GPUSIM
+from gpusim_harness import C_COMMON
 
 DRIVER_PROBE = C_COMMON / "mempool_cuda13.c"
 RUNTIME_PROBE = C_COMMON / "mempool_cudart13.c"
@@ -64,7 +64,7 @@ def runtime_probe(cc, tmp_path_factory):
 
 def configure_cuda13(sim):
     """The documented CUDA 13 config (tests/gpusim/README.md, "CUDA 13")."""
-    sim.write_config(sim.run([GPUSIM, "default-config", "--cuda-version", "13050"]).stdout)
+    sim.configure_cuda(13050)
 
 
 def kv(stdout):
