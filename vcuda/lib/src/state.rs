@@ -394,9 +394,13 @@ impl Vcuda {
     #[cold]
     #[inline(never)]
     pub fn look_at_hidden(&self, dev: usize) {
-        if self.hidden_looked.load(Relaxed) & (1 << dev) != 0
-            || self.hidden_tries.fetch_add(1, Relaxed) >= 8
-        {
+        if self.hidden_looked.load(Relaxed) & (1 << dev) != 0 {
+            return;
+        }
+        if self.hidden_tries.fetch_add(1, Relaxed) >= 8 {
+            // Given up until the next teardown: every GPU counts as looked at, so the
+            // allocation path is back to one load.
+            self.hidden_looked.store(u32::MAX, Relaxed);
             return;
         }
         if (crate::LIFECYCLE.measure_hidden)(self, dev) {
