@@ -265,6 +265,21 @@ def test_a_root_tenant_cannot_see_or_signal_its_neighbour(node, engine):
         held.wait(timeout=30)
 
 
+def test_the_selftest_in_a_container_refuses_and_lifts_nothing(node, engine):
+    """vcuda-smi is mounted into every container; its `selftest` writes a config of its own
+    (quota and share of its choosing) for a workload it preloads. In a container, where the
+    manager's config is mounted, it refuses to run (exit 2, saying why) rather than appear
+    to test anything: the library there obeys the mounted config only. Asked for 100 GiB,
+    the container's GPU never holds more than its 1 GiB."""
+    c = start_pod(node, engine, "selftest", core=30, memory=4)  # 1 GiB
+    node.sim.gpusim("reset-peak")
+    r = c.exec(f"{runtime.TOOLS_IN_CONTAINER}/vcuda-smi", "selftest", "--json", "--quota", "100GiB",
+               "--lib", "/usr/local/vcuda/lib64/libvcuda.so")
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "container" in r.stderr, r.stderr
+    assert peak(node) <= 1024 * MiB, f"gpusim's high-water mark {peak(node) / MiB:.0f} MiB > 1024 MiB"
+
+
 def _containers(view):
     out = []
     for g in view.get("gpus", []):
