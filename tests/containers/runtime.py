@@ -150,6 +150,60 @@ class PodContainer:
                     break
 
 
+def start_pid_service(sim):
+    """The simulated driver's host side: `gpusim pid-service` tells a process in a container
+    its host pid, which the real driver knows from the kernel (gpusim-core's hostpid
+    module). Returns (its socket, the process)."""
+    sock = pathlib.Path(sim.dir) / "gpusim-pid.sock"
+    gpusim = pathlib.Path(sim.env["PATH"].split(":")[0]) / "gpusim"
+    p = subprocess.Popen([gpusim, "pid-service", "--socket", sock],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if line.strip() != "ready":
+        p.kill()
+        raise AssertionError(f"gpusim pid-service did not start: {line!r} {p.stderr.read()}")
+    return sock, p
+
+
+def node_injections(sim, pid_socket, driver_lib=None):
+    """What the NVIDIA container toolkit injects into every container on a GPU node: here
+    gpusim's libraries, state file, config and pid-service socket, as (host, container,
+    read-only) mounts and the environment that points gpusim at them."""
+    lib = driver_lib or pathlib.Path(sim.env["LD_LIBRARY_PATH"].split(":")[0])
+    m = [(lib, GPUSIM_LIB_IN_CONTAINER, True), (sim.state, GPUSIM_STATE_IN_CONTAINER, False),
+         (pid_socket, GPUSIM_PID_SOCKET_IN_CONTAINER, True)]
+    env = {"LD_LIBRARY_PATH": GPUSIM_LIB_IN_CONTAINER, "GPUSIM_STATE": GPUSIM_STATE_IN_CONTAINER,
+           "GPUSIM_PID_SOCKET": GPUSIM_PID_SOCKET_IN_CONTAINER}
+    if sim.config:
+        m.append((sim.config, GPUSIM_CONFIG_IN_CONTAINER, True))
+        env["GPUSIM_CONFIG"] = GPUSIM_CONFIG_IN_CONTAINER
+    return m, env
+
+
+def node_injection_args(sim, pid_socket, tools=None, driver_lib=None, mounts=()):
+    """`kubelet-sim serve --runtime docker` arguments for what the node injects into every
+    container (`node_injections`), `tools` read-only at TOOLS_IN_CONTAINER, and `mounts`:
+    more (host, container) read-only mounts."""
+    m, env = node_injections(sim, pid_socket, driver_lib)
+    if tools:
+        m.append((tools, TOOLS_IN_CONTAINER, True))
+    m += [(src, dst, True) for src, dst in mounts]
+    args = []
+    for src, dst, ro in m:
+        args += ["--runtime-mount", f"{src}:{dst}" + (":ro" if ro else "")]
+    for k, v in env.items():
+        args += ["--runtime-env", f"{k}={v}"]
+    return args
+
+
+def kubelet_container(container_result, pod_uid):
+    """The engine's container kubelet-sim started (`serve --runtime docker`), from one
+    container of its `admit` output (the answer and the start's `runtime`)."""
+    rt = container_result["start"]["runtime"]
+    return PodContainer(rt["name"], pod_uid, container_result["allocate_response"], rt["skipped_devices"],
+                        rt["cgroup_parent"])
+
+
 class Engine:
     """Starts pod containers from Allocate answers (kubelet-sim's `admit` output)."""
 
@@ -162,25 +216,7 @@ class Engine:
         self.driver_lib = driver_lib
         self.extra = list(mounts)
         self.containers = []
-        # The simulated driver's host side: it tells a process in a container its host pid,
-        # which the real driver knows from the kernel (gpusim-core's hostpid module).
-        self.pid_socket = pathlib.Path(sim.dir) / "gpusim-pid.sock"
-        gpusim = pathlib.Path(sim.env["PATH"].split(":")[0]) / "gpusim"
-        self.pid_service = subprocess.Popen([gpusim, "pid-service", "--socket", self.pid_socket],
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = self.pid_service.stdout.readline()
-        if line.strip() != "ready":
-            self.pid_service.kill()
-            raise AssertionError(f"gpusim pid-service did not start: {line!r} {self.pid_service.stderr.read()}")
-
-    def driver_mounts(self):
-        """What the NVIDIA container toolkit injects on a GPU node: here, gpusim."""
-        lib = self.driver_lib or pathlib.Path(self.sim.env["LD_LIBRARY_PATH"].split(":")[0])
-        m = [("bind", lib, GPUSIM_LIB_IN_CONTAINER, True), ("bind", self.sim.state, GPUSIM_STATE_IN_CONTAINER, False),
-             ("bind", self.pid_socket, GPUSIM_PID_SOCKET_IN_CONTAINER, True)]
-        if self.sim.config:
-            m.append(("bind", self.sim.config, GPUSIM_CONFIG_IN_CONTAINER, True))
-        return m
+        self.pid_socket, self.pid_service = start_pid_service(sim)
 
     def run_args(self, answer, pod_uid, qos="burstable"):
         """The `docker run` arguments that apply `answer` (a ContainerAllocateResponse as
@@ -203,12 +239,11 @@ class Engine:
         # CRI annotations have no `docker run` equivalent; labels carry them for inspection.
         for k, v in sorted(answer.get("annotations", {}).items()):
             args += ["--label", f"{k}={v}"]
-        for _, src, dst, ro in self.driver_mounts():
+        mounts, env = node_injections(self.sim, self.pid_socket, self.driver_lib)
+        for src, dst, ro in mounts:
             args += ["--mount", f"type=bind,src={src},dst={dst}" + (",readonly" if ro else "")]
-        args += ["-e", f"LD_LIBRARY_PATH={GPUSIM_LIB_IN_CONTAINER}", "-e", f"GPUSIM_STATE={GPUSIM_STATE_IN_CONTAINER}",
-                 "-e", f"GPUSIM_PID_SOCKET={GPUSIM_PID_SOCKET_IN_CONTAINER}"]
-        if self.sim.config:
-            args += ["-e", f"GPUSIM_CONFIG={GPUSIM_CONFIG_IN_CONTAINER}"]
+        for k, v in env.items():
+            args += ["-e", f"{k}={v}"]
         if self.tools:
             args += ["--mount", f"type=bind,src={self.tools},dst={TOOLS_IN_CONTAINER},readonly"]
         for src, dst in self.extra:

@@ -11,14 +11,17 @@ than its quota and is refused; vcuda-smi shows the node as an operator sees it. 
 request the contract does not allow is refused with a reason the user reads in
 `kubectl describe pod`.
 
-With --containers each pod is a real container: the Docker engine starts it from the
-Allocate answer (tests/containers/runtime.py plays containerd; images from
-scripts/build-images), and the demo shows one container's `docker inspect` mounts next to
-the answer that produced them.
+With --containers each pod is a real container: kubelet-sim plays the container runtime
+too (`serve --runtime docker`, tests/kubelet-sim/README.md "The runtime mode") and starts it
+with `docker run` from the Allocate answer, in the pod's kubelet-shaped cgroup (images from
+scripts/build-images); the demo shows one container's `docker inspect` mounts next to the
+answer that produced them. --systemd-cgroups names the pod cgroups as the kubelet's systemd
+driver does (`kubepods.slice/.../kubepods-burstable-pod<uid>.slice`).
 """
 
 import json
 import pathlib
+import signal
 import tomllib
 import subprocess
 import sys
@@ -63,17 +66,23 @@ def say(msg):
 def main():
     bins = pathlib.Path(sys.argv[1]).resolve()
     containers = "--containers" in sys.argv[2:]
+    driver = "systemd" if "--systemd-cgroups" in sys.argv[2:] else "cgroupfs"
     work = pathlib.Path(tempfile.mkdtemp(prefix="vcuda-demo."))
     sim = Sim(work)
     node = Node(sim, work / "node", proc_root="/proc" if containers else None)
-    engine = None
+    pid_service = None  # with --containers: gpusim's pid-service, the driver's host side
     procs = []
     try:
         say("kubelet-sim (the kubelet's device manager) and vcuda-manager start; the manager registers two resources")
         t0 = time.monotonic()
-        node.start_kubelet().start_manager().wait_registered()
+        extra = []
         if containers:
-            engine = runtime.Engine(sim, image="vcuda/base:bookworm", tools=bins)
+            # kubelet-sim plays the runtime too: `docker run` after PreStartContainer, with what
+            # the NVIDIA container toolkit would inject (here gpusim) on every container.
+            pid_socket, pid_service = runtime.start_pid_service(sim)
+            extra = ["--runtime", "docker", "--runtime-image", "vcuda/base:bookworm", "--cgroup-driver", driver,
+                     *runtime.node_injection_args(sim, pid_socket, tools=bins)]
+        node.start_kubelet(extra=extra).start_manager().wait_registered()
         for r in node.status()["resources"]:
             print(f"  {r['name']:24} {len(r['devices']):4} devices, {len(r['healthy'])} healthy  (registered {time.monotonic() - t0:.2f} s after start)")
 
@@ -86,14 +95,14 @@ def main():
         for name, core, mem in (("pod-a", 30, 16), ("pod-b", 70, 32)):
             r = node.admit(name, core=core, memory=mem)
             assert r["admitted"] and r["containers"][0]["start"]["started"], json.dumps(r, indent=1)
-            c = DockerPod(engine.start(r, node.pod_uid(name)), bins) if engine else node.container(r, name)
+            c = DockerPod(runtime.kubelet_container(r["containers"][0], r["uid"]), bins) if containers else node.container(r, name)
             g = c.config["gpu"][0]
             print(f"  {name}: {CORE}={core} {MEMORY}={mem} -> GPU {g['uuid']}: core {g['core']} %, memory {g['memory_mib']} MiB")
             mounts = ", ".join(sorted(c.mounts))
             print(f"         mounts {mounts}")
             pods[name] = c
-        if engine:
-            say("pod A's container as the engine made it: `docker inspect` mounts next to the Allocate answer")
+        if containers:
+            say("pod A's container as kubelet-sim's `docker run` made it: `docker inspect` mounts next to the Allocate answer")
             pc = pods["pod-a"].pc
             got = {m["Destination"]: m for m in pc.inspect()["Mounts"]}
             for m in pc.answer["mounts"]:
@@ -120,7 +129,7 @@ def main():
             if not line.startswith("ready pid="):
                 raise SystemExit(f"{name}: the load did not start: {line!r} {ld.stderr.read() if ld.poll() is not None else ''}")
             pid = int(line.split("=")[1])
-            loads[name] = c.driver_pid(pid) if engine else pid
+            loads[name] = c.driver_pid(pid) if containers else pid
 
         say("pod A asks for 2 GiB more than it has left: refused with CUDA_ERROR_OUT_OF_MEMORY, the application carries on")
         f = pods["pod-a"].popen([bins / "fill", 2048, 2048], stdin=subprocess.PIPE)
@@ -164,8 +173,13 @@ def main():
                     p.stdin.close()
                 p.kill()
                 p.wait()
-        if engine:
-            engine.close()
+        if node.ksim and node.ksim.poll() is None:
+            # SIGTERM: kubelet-sim removes the containers it started (a real kubelet would not).
+            node.ksim.send_signal(signal.SIGTERM)
+            node.ksim.wait(timeout=60)
+        if pid_service:
+            pid_service.kill()
+            pid_service.wait()
         node.close()
 
 

@@ -76,12 +76,13 @@ class Node:
 
     # ---- processes -------------------------------------------------------------------------
 
-    def start_kubelet(self, sandbox_ms=0, kubelet_version=None):
-        """kubelet_version: the release kubelet-sim plays ("1.20" ... "1.35"; default its newest)."""
+    def start_kubelet(self, sandbox_ms=0, kubelet_version=None, extra=()):
+        """kubelet_version: the release kubelet-sim plays ("1.20" ... "1.35"; default its newest);
+        extra: more `kubelet-sim serve` arguments (e.g. `--runtime docker ...`)."""
         version = ["--kubelet-version", kubelet_version] if kubelet_version else []
         self.ksim = subprocess.Popen(
             [KUBELET_SIM, "serve", "--plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket, "--control", self.control,
-             "--sandbox-ms", str(sandbox_ms), *version],
+             "--sandbox-ms", str(sandbox_ms), *version, *map(str, extra)],
             stdout=subprocess.PIPE, stderr=open(self.root / "kubelet-sim.log", "a"), text=True,
         )
         line = self.ksim.stdout.readline()

@@ -160,6 +160,9 @@ pub struct StartResult {
     pub pre_start_called: Vec<String>,
     /// Successful starts of this container so far (restarts included).
     pub starts: u32,
+    /// What the container runtime did (`serve --runtime docker`): the engine's container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<crate::runtime::Started>,
 }
 
 /// `kubelet-sim status`.
@@ -235,6 +238,9 @@ pub struct ContainerStatus {
     pub devices: BTreeMap<String, Vec<String>>,
     pub starts: u32,
     pub last_start_error: Option<String>,
+    /// The engine's container of the last successful start (`serve --runtime docker`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<crate::runtime::Started>,
 }
 
 impl Status {

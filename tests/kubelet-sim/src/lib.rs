@@ -8,6 +8,8 @@
 //! - [`control`]: the JSON-lines control socket and its client (the CLI's transport).
 //! - [`checkpoint`], [`merge`], [`names`], [`versions`]: pure pieces (file shape, response
 //!   merging, registration validation, what differs between kubelet releases).
+//! - [`runtime`]: `serve --runtime docker`, the container runtime's part: the container
+//!   created with `docker run` after PreStartContainer, in a kubelet-shaped pod cgroup.
 //! - [`wire`]: what kubelets before 1.26 send as `:authority` (the socket path), put on the
 //!   wire under kubelet-sim's tonic client.
 
@@ -19,6 +21,7 @@ pub mod control;
 pub mod grpc;
 pub mod merge;
 pub mod names;
+pub mod runtime;
 pub mod sim;
 pub mod versions;
 pub mod wire;

@@ -17,6 +17,10 @@ Simulates the kubelet's device manager for vcuda's tests and demo: the Registrat
 container start, the PodResources v1 service, kubelet restarts, and the checkpoint file
 <plugin-dir>/kubelet_internal_checkpoint.
 
+With `serve --runtime docker` it plays the container runtime too: each started container is
+created with `docker run` from the plugin's answer (and CDI specs), in a kubelet-shaped pod
+cgroup, and removed on delete.
+
 Start it with `kubelet-sim serve`; every other subcommand talks to it over its --control socket
 (JSON lines) and prints JSON. See tests/kubelet-sim/README.md.";
 
@@ -32,6 +36,51 @@ struct ControlArg {
     /// The control socket of a running `kubelet-sim serve`.
     #[arg(long, value_name = "PATH")]
     control: PathBuf,
+}
+
+/// The container runtime's part (tests/kubelet-sim/README.md, "The runtime mode").
+#[derive(clap::Args)]
+struct RuntimeArgs {
+    /// `none`: stop at PreStartContainer (a test plays the runtime). `docker`: after
+    /// PreStartContainer create the container with `docker run` from the plugin's answer, in
+    /// the pod's kubelet-shaped cgroup; `delete` removes it, and serve's exit all of them.
+    #[arg(long, value_name = "none|docker", default_value = "none", value_parser = ["none", "docker"])]
+    runtime: String,
+    /// The image every container runs (`sleep infinity`); required with --runtime docker.
+    #[arg(long, value_name = "IMAGE", required_if_eq("runtime", "docker"))]
+    runtime_image: Option<String>,
+    /// How the pod cgroup is named: cgroupfs `/kubepods/burstable/pod<uid>`, systemd
+    /// `/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid_>.slice`.
+    #[arg(long, value_name = "cgroupfs|systemd", default_value = "cgroupfs")]
+    cgroup_driver: kubelet_sim::runtime::CgroupDriver,
+    /// SRC:DST[:ro], repeatable: a bind mount the node injects into every container (what
+    /// the NVIDIA container toolkit adds: the driver's libraries).
+    #[arg(long, value_name = "SRC:DST[:ro]")]
+    runtime_mount: Vec<kubelet_sim::runtime::NodeMount>,
+    /// K=V, repeatable: an environment variable the node sets in every container.
+    #[arg(long, value_name = "K=V", value_parser = kubelet_sim::runtime::parse_env)]
+    runtime_env: Vec<(String, String)>,
+    /// Which of the plugin's answers the runtime applies: `all` (the Allocate answer's
+    /// mounts, devices and envs, then the CDI devices' edits: a runtime with CDI), `mounts`
+    /// (the answer only), `cdi` (the CDI edits only).
+    #[arg(long, value_name = "all|mounts|cdi", default_value = "all")]
+    runtime_edits: kubelet_sim::runtime::Edits,
+    /// Where CDI device names are resolved (`*.json` specs).
+    #[arg(long, value_name = "DIR", default_value = kubelet_sim::runtime::DEFAULT_CDI_SPEC_DIR)]
+    cdi_spec_dir: PathBuf,
+}
+
+impl RuntimeArgs {
+    fn config(self) -> Option<kubelet_sim::runtime::RuntimeConfig> {
+        (self.runtime == "docker").then(|| kubelet_sim::runtime::RuntimeConfig {
+            image: self.runtime_image.unwrap_or_default(),
+            cgroup_driver: self.cgroup_driver,
+            node_mounts: self.runtime_mount,
+            node_env: self.runtime_env,
+            edits: self.runtime_edits,
+            cdi_spec_dir: self.cdi_spec_dir,
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -61,6 +110,8 @@ enum Command {
         /// tests/kubelet-sim/README.md, "Kubelet versions".
         #[arg(long, value_name = "1.N", default_value_t = kubelet_sim::versions::NEWEST)]
         kubelet_version: kubelet_sim::versions::Version,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
     },
     /// Registered resources (endpoint, options, all/healthy/allocated device IDs) and pods
     /// with their allocations.
@@ -171,6 +222,7 @@ async fn main() -> Result<()> {
             control,
             sandbox_ms,
             kubelet_version,
+            runtime,
         } => {
             return serve(
                 plugin_dir,
@@ -178,6 +230,7 @@ async fn main() -> Result<()> {
                 control,
                 sandbox_ms,
                 kubelet_version,
+                runtime.config(),
             )
             .await
         }
@@ -275,6 +328,7 @@ async fn serve(
     control: PathBuf,
     sandbox_ms: u64,
     kubelet_version: kubelet_sim::versions::Version,
+    runtime: Option<kubelet_sim::runtime::RuntimeConfig>,
 ) -> Result<()> {
     std::fs::create_dir_all(&plugin_dir)
         .with_context(|| format!("cannot create --plugin-dir {}", plugin_dir.display()))?;
@@ -292,6 +346,7 @@ async fn serve(
         Simulator::start(Config {
             sandbox_time: std::time::Duration::from_millis(sandbox_ms),
             profile: kubelet_sim::versions::Profile::new(kubelet_version),
+            runtime: runtime.clone(),
             ..Config::new(&plugin_dir, &pod_resources)
         })
         .context("cannot start the simulated kubelet")?,
@@ -306,6 +361,12 @@ async fn serve(
             "pod_resources_socket": pod_resources,
             "control": control,
             "kubelet_version": kubelet_version.to_string(),
+            "runtime": runtime.as_ref().map(|r| serde_json::json!({
+                "image": r.image,
+                "cgroup_driver": r.cgroup_driver,
+                "edits": r.edits,
+                "cdi_spec_dir": r.cdi_spec_dir,
+            })),
         })
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -314,6 +375,9 @@ async fn serve(
         _ = term.recv() => {}
     }
     server.abort();
+    // A real kubelet leaves its containers running when it exits; kubelet-sim removes the
+    // ones it started, so a test or demo leaves nothing behind.
+    sim.remove_all_containers().await;
     let _ = std::fs::remove_file(&control);
     Ok(())
 }

@@ -55,6 +55,8 @@ pub struct Config {
     pub sandbox_time: Duration,
     /// The kubelet release played (`--kubelet-version`).
     pub profile: crate::versions::Profile,
+    /// The container runtime's part (`--runtime docker`): None stops at PreStartContainer.
+    pub runtime: Option<crate::runtime::RuntimeConfig>,
 }
 
 impl Config {
@@ -66,6 +68,7 @@ impl Config {
             pre_start_timeout: PRE_START_TIMEOUT,
             sandbox_time: Duration::ZERO,
             profile: crate::versions::Profile::default(),
+            runtime: None,
         }
     }
 }
@@ -187,6 +190,8 @@ struct PodContainer {
     resources: Vec<ResourceRequest>,
     starts: u32,
     last_start_error: Option<String>,
+    /// The engine's container of the last successful start (`--runtime docker`).
+    runtime: Option<crate::runtime::Started>,
 }
 
 struct Alloc {
@@ -752,7 +757,16 @@ impl Simulator {
                 }
                 None => loop {
                     st.next_uid += 1;
-                    let uid = format!("00000000-0000-4000-8000-{:012x}", st.next_uid);
+                    // With a container runtime the uid names host-wide things (the pod's
+                    // cgroup, its containers' names): a random one, so that two
+                    // kubelet-sims on one engine never meet.
+                    let random = self.inner.config.runtime.as_ref().and_then(|_| {
+                        std::fs::read_to_string("/proc/sys/kernel/random/uuid")
+                            .ok()
+                            .map(|u| u.trim().to_string())
+                    });
+                    let uid = random
+                        .unwrap_or_else(|| format!("00000000-0000-4000-8000-{:012x}", st.next_uid));
                     if !st.pods.iter().any(|p| p.uid == uid) {
                         break uid;
                     }
@@ -770,6 +784,7 @@ impl Simulator {
                         resources: c.resources.clone(),
                         starts: 0,
                         last_start_error: None,
+                        runtime: None,
                     })
                     .collect(),
             });
@@ -1018,6 +1033,14 @@ impl Simulator {
                 }
             }
         }
+        // The runtime creates the container after PreStartContainer (`--runtime docker`).
+        let mut started = None;
+        if outcome.is_ok() {
+            match self.run_container(&uid, namespace, pod, container).await {
+                Ok(s) => started = s,
+                Err(e) => outcome = Err(e),
+            }
+        }
         let starts = {
             let mut st = self.inner.state();
             let c = st
@@ -1031,6 +1054,9 @@ impl Simulator {
                         Ok(()) => {
                             c.starts += 1;
                             c.last_start_error = None;
+                            if started.is_some() {
+                                c.runtime = started.clone();
+                            }
                         }
                         Err(e) => c.last_start_error = Some(e.clone()),
                     }
@@ -1051,7 +1077,81 @@ impl Simulator {
             error: outcome.err(),
             pre_start_called: called,
             starts,
+            runtime: started,
         })
+    }
+
+    /// `--runtime docker`: creates the container (replacing the previous one on a
+    /// restart, whose restart count is this container's successful starts so far). Ok(None)
+    /// without a runtime.
+    async fn run_container(
+        &self,
+        uid: &str,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+    ) -> Result<Option<crate::runtime::Started>, String> {
+        use crate::runtime;
+        let Some(cfg) = self.inner.config.runtime.clone() else {
+            return Ok(None);
+        };
+        let cdi = self.inner.config.profile.passes_cdi_devices();
+        let (answer, restart_count, previous) = {
+            let st = self.inner.state();
+            let p = st.pods.iter().find(|p| p.uid == uid);
+            let Some(c) = p.and_then(|p| p.containers.iter().find(|c| c.name == container)) else {
+                return Err(format!(
+                    "pod {namespace}/{pod} was deleted while its container {container} started"
+                ));
+            };
+            (
+                st.runtime_options(uid, c, cdi),
+                c.starts,
+                c.runtime.as_ref().map(|r| r.id.clone()),
+            )
+        };
+        let parent = runtime::pod_cgroup_parent(cfg.cgroup_driver, uid);
+        let name = runtime::container_name(container, pod, namespace, uid, restart_count);
+        let id = runtime::Identity {
+            name: &name,
+            cgroup_parent: &parent,
+            pod,
+            namespace,
+            uid,
+            container,
+            restart_count,
+        };
+        let started = runtime::Docker::new(cfg)
+            .start(&id, &answer, previous.as_deref())
+            .await
+            .map_err(|e| e.to_string())?;
+        info!(pod, container, name = %started.name, host_pid = started.host_pid, "container running");
+        Ok(Some(started))
+    }
+
+    /// Removes the engine's containers of the given pods and the pods' cgroup directories.
+    async fn remove_runtime_containers(&self, pods: Vec<(String, Vec<String>)>) {
+        let Some(cfg) = self.inner.config.runtime.clone() else {
+            return;
+        };
+        let driver = cfg.cgroup_driver;
+        let docker = crate::runtime::Docker::new(cfg);
+        for (uid, ids) in pods {
+            for id in ids {
+                docker.remove(&id).await;
+            }
+            docker.remove_pod_cgroups(&crate::runtime::pod_cgroup_parent(driver, &uid));
+        }
+    }
+
+    /// The engine's containers of every pod, removed (at `serve`'s exit; a real kubelet
+    /// leaves them running, and finds them again when it starts).
+    pub async fn remove_all_containers(&self) {
+        let pods = {
+            let st = self.inner.state();
+            st.pods.iter().map(runtime_ids).collect()
+        };
+        self.remove_runtime_containers(pods).await;
     }
 
     /// Calls the plugin's GetDevicePluginOptions `count` times, in groups of `group` back to
@@ -1148,20 +1248,28 @@ impl Simulator {
     /// linger until the next write (garbage collection runs at the next allocation or List).
     pub async fn delete(&self, namespace: &str, pod: &str) -> Result<(), SimError> {
         let _serial = self.inner.admit_lock.lock().await;
-        {
+        let gone = {
             let mut st = self.inner.state();
-            let before = st.pods.len();
-            st.pods
-                .retain(|p| !(p.name == pod && p.namespace == namespace));
-            if st.pods.len() == before {
+            let gone: Vec<_> = st
+                .pods
+                .iter()
+                .filter(|p| p.name == pod && p.namespace == namespace)
+                .map(runtime_ids)
+                .collect();
+            if gone.is_empty() {
                 return Err(SimError::NoSuchPod {
                     namespace: namespace.into(),
                     pod: pod.into(),
                 });
             }
-        }
+            st.pods
+                .retain(|p| !(p.name == pod && p.namespace == namespace));
+            gone
+        };
         info!(pod, namespace, "pod deleted");
         self.inner.notify();
+        // The runtime stops and removes the pod's containers, then the kubelet its cgroup.
+        self.remove_runtime_containers(gone).await;
         Ok(())
     }
 
@@ -1223,6 +1331,7 @@ impl Simulator {
                             devices: st.container_devices(&p.uid, &c.name),
                             starts: c.starts,
                             last_start_error: c.last_start_error.clone(),
+                            runtime: c.runtime.clone(),
                         })
                         .collect(),
                 })
@@ -1318,6 +1427,16 @@ fn validate(req: &AdmitRequest) -> Result<(), SimError> {
         }
     }
     Ok(())
+}
+
+/// A pod's uid and the engine ids of its containers.
+fn runtime_ids(p: &Pod) -> (String, Vec<String>) {
+    let ids = p
+        .containers
+        .iter()
+        .filter_map(|c| c.runtime.as_ref().map(|r| r.id.clone()))
+        .collect();
+    (p.uid.clone(), ids)
 }
 
 fn relative(path: &Path, dir: &Path) -> String {
