@@ -18,6 +18,7 @@ certainly arrive.
 
 import pathlib
 import queue
+import re
 import shutil
 import socket
 import struct
@@ -28,7 +29,7 @@ import time
 
 import pytest
 
-from vcuda_common import MAX_PROCS, REGION_HEADER, SLOT_ACTIVE, SLOT_SIZE, build, region_slots
+from vcuda_common import MAX_PROCS, REGION_HEADER, SLOT_ACTIVE, SLOT_SIZE, build, lay_out_region, region_slots
 
 ALLOCATION = "alloc-e2e.7_x"
 PROTOCOL_VERSION = 1
@@ -285,6 +286,8 @@ def container(sim, name="c0", socket_path=None, allocation=ALLOCATION, quota_mib
         keys += f'allocation = "{allocation}"\n'
     head, sep, tail = c.config.read_text().partition("[[gpu]]")
     c.config.write_text(f"{head}{keys}\n{sep}{tail}")
+    if allocation is not None:  # the manager lays out the region of an allocation it names
+        lay_out_region(c.region, re.findall(r'^uuid = "([^"]+)"', tail, re.M))
     if log:
         c.env["VCUDA_LOG"] = log
     return c

@@ -126,6 +126,22 @@ def _header_offsets():
 HEADER_OFFSETS = _header_offsets()  # name -> (byte offset, struct format)
 
 
+def lay_out_region(path, uuids):
+    """Lay out an empty region for the GPUs `uuids` ("GPU-…") at `path`, as vcuda-manager
+    does before a container starts (vcuda/contract/src/region_file.rs,
+    `RegionFile::create_or_open`). A test that plays the manager with a config naming an
+    allocation must: the library refuses to lay out such a region itself (an empty one was
+    reset from inside the container)."""
+    data = bytearray(REGION_HEADER + MAX_PROCS * SLOT_SIZE)
+    struct.pack_into("<IIQ", data, 8, REGION_VERSION, len(uuids), len(data))
+    at = HEADER_OFFSETS["uuids"][0]
+    for i, u in enumerate(uuids):
+        data[at + 16 * i:at + 16 * (i + 1)] = bytes.fromhex(u.removeprefix("GPU-").replace("-", ""))
+    data[:8] = REGION_MAGIC
+    path.write_bytes(bytes(data))
+    path.chmod(0o666)
+
+
 def region_header_field(path, name):
     """One region header field, per GPU for the per-GPU arrays (only the container's GPUs).
     Checks the magic and the layout version first, so a layout change fails loudly here."""

@@ -142,6 +142,8 @@ pub enum RegionError {
     InUse { path: String, why: String },
     #[error("vcuda: region {path}: all {MAX_PROCS} process slots are held by live processes")]
     Full { path: String },
+    #[error("vcuda: region {path} is empty, but vcuda-manager lays out every region it names before the container starts: it was reset (truncated or replaced) from inside the container, so its books cannot be trusted and nothing is allocated; restart the pod")]
+    Reset { path: String },
 }
 
 /// A process's claim on a slot.
@@ -213,6 +215,19 @@ impl Region {
     /// Open the region at `path`, creating it for `uuids` if it does not exist. A region
     /// made for other GPUs is recreated when no live process uses it, refused otherwise.
     pub fn open_or_create(path: &Path, uuids: &[[u8; 16]]) -> Result<Region, RegionError> {
+        Region::open_with(path, uuids, true)
+    }
+
+    /// Open a region vcuda-manager made (the config names an allocation): the manager lays
+    /// out every region before its container starts (`RegionFile::create_or_open`), so an
+    /// empty one (size 0 or magic 0) can only have been reset from inside the container,
+    /// where it is writable: refused ([`RegionError::Reset`]), never laid out afresh, which
+    /// would forget what the container's processes hold and grant the quota again.
+    pub fn open_laid_out(path: &Path, uuids: &[[u8; 16]]) -> Result<Region, RegionError> {
+        Region::open_with(path, uuids, false)
+    }
+
+    fn open_with(path: &Path, uuids: &[[u8; 16]], lay_out: bool) -> Result<Region, RegionError> {
         assert!(!uuids.is_empty() && uuids.len() <= MAX_GPUS);
         let c = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| io(path, "open it", std::io::ErrorKind::InvalidInput.into()))?;
@@ -243,6 +258,11 @@ impl Region {
             });
         }
         if size == 0 {
+            if !lay_out {
+                return Err(RegionError::Reset {
+                    path: path.display().to_string(),
+                });
+            }
             set_len(&fd, REGION_SIZE).map_err(|e| io(path, "size it", e))?;
         }
         let base = map(&fd).map_err(|e| io(path, "map it", e))?;
@@ -254,7 +274,7 @@ impl Region {
             changing: AtomicBool::new(false),
             seen_used: AtomicU32::new(0),
         };
-        let adopted = region.adopt(uuids);
+        let adopted = region.adopt(uuids, lay_out);
         // Every slot in use counts, whatever the header says.
         let in_use = region
             .slots()
@@ -272,14 +292,19 @@ impl Region {
 
     /// Check the mapped file (the caller holds the flock): lay out a new one, keep a
     /// compatible one, take over one made for other GPUs that nobody uses.
-    fn adopt(&self, uuids: &[[u8; 16]]) -> Result<(), RegionError> {
+    /// `lay_out`: whether an empty file (magic 0) may be laid out here.
+    fn adopt(&self, uuids: &[[u8; 16]], lay_out: bool) -> Result<(), RegionError> {
         let incompatible = |why: String| RegionError::Incompatible {
             path: self.path.display().to_string(),
             why,
         };
         let h = self.header();
         let magic = h.magic.load(Acquire);
-        if magic == 0 {
+        if magic == 0 && !lay_out {
+            return Err(RegionError::Reset {
+                path: self.path.display().to_string(),
+            });
+        } else if magic == 0 {
             self.initialise(uuids);
         } else if magic != REGION_MAGIC {
             return Err(incompatible(format!("bad magic number {magic:#018x}")));
@@ -849,6 +874,32 @@ mod tests {
     /// One descriptor per open region, closed with it, and none left by a refused open
     /// (issue 14: an earlier `open_or_create` leaked one per call, one per PreStartContainer
     /// for the manager's whole life).
+    /// A region the manager named is never laid out by the library: empty (truncated) or
+    /// zeroed (truncated and re-extended), it is refused; laid out, it opens.
+    #[test]
+    fn a_managed_region_reset_from_inside_is_refused_not_laid_out_again() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("region");
+        std::fs::write(&p, b"").unwrap();
+        let e = Region::open_laid_out(&p, &[U0]).map(|_| ()).unwrap_err();
+        assert!(matches!(e, RegionError::Reset { .. }), "{e}");
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().len(),
+            0,
+            "the empty file was sized"
+        );
+        std::fs::write(&p, vec![0u8; REGION_SIZE]).unwrap();
+        let e = Region::open_laid_out(&p, &[U0]).map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("reset"), "{e}");
+        assert!(
+            std::fs::read(&p).unwrap().iter().all(|&b| b == 0),
+            "the zeroed file was laid out"
+        );
+        // Laid out (as the manager's RegionFile::create_or_open does), it opens.
+        drop(Region::open_or_create(&p, &[U0]).unwrap());
+        drop(Region::open_laid_out(&p, &[U0]).unwrap());
+    }
+
     #[test]
     fn a_region_owns_exactly_one_descriptor_and_closes_it() {
         let d = tempfile::tempdir().unwrap();

@@ -61,8 +61,14 @@ fn start_inner() -> Result<Vcuda, Failure> {
     };
     hooks::load_all(&lookup);
     hooks::index_real(&lookup);
-    let region =
-        Region::open_or_create(&cfg.region, &cfg.uuids()).map_err(|e| fail(e.to_string()))?;
+    // A region the manager made (the config names its allocation) is never laid out here:
+    // an empty one was reset from inside the container (`Region::open_laid_out`).
+    let region = if cfg.allocation.is_some() {
+        Region::open_laid_out(&cfg.region, &cfg.uuids())
+    } else {
+        Region::open_or_create(&cfg.region, &cfg.uuids())
+    }
+    .map_err(|e| fail(e.to_string()))?;
     region.reclaim_dead(true);
     let me = region.claim().map_err(|e| fail(e.to_string()))?;
     let v = Vcuda::new(cfg, region, me, nvml);

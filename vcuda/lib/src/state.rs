@@ -275,20 +275,19 @@ impl Vcuda {
         Some((self.cfg.socket.as_deref()?, self.cfg.allocation.as_deref()?))
     }
 
-    /// The container's share and limit on `dev` (ppm): the manager's run-time values if set,
-    /// else the config's.
+    /// The container's share and limit on `dev` (ppm): the run-time values in the region if
+    /// set, else the config's. In a container vcuda-manager made (the config names an
+    /// allocation) the run-time values may only lower the config's (`share_and_limit`).
     pub fn container_share(&self, dev: usize) -> (u64, u64) {
         let h = self.region.header();
         let g = &self.cfg.gpu[dev];
-        let mut share = h.core_override[dev].load(Relaxed);
-        if share == 0 {
-            share = u64::from(g.core) * (lim::PPM / 100);
-        }
-        let mut limit = h.core_limit_override[dev].load(Relaxed);
-        if limit == 0 {
-            limit = u64::from(g.core_limit.unwrap_or(0)) * (lim::PPM / 100);
-        }
-        (share, limit.max(share))
+        share_and_limit(
+            h.core_override[dev].load(Relaxed),
+            h.core_limit_override[dev].load(Relaxed),
+            u64::from(g.core) * (lim::PPM / 100),
+            u64::from(g.core_limit.unwrap_or(0)) * (lim::PPM / 100),
+            self.cfg.allocation.is_some(),
+        )
     }
 
     /// Make the driver show only the container's GPUs (before the real `cuInit`).
@@ -830,5 +829,99 @@ impl CostBooks for Vcuda {
     }
     fn quota_of(&self, dev: usize) -> u64 {
         Vcuda::quota_of(self, dev)
+    }
+}
+
+/// A share and limit (ppm) from the region's run-time values (0: unset) and the config's.
+/// `capped`: the config is vcuda-manager's (it names an allocation). The region is writable
+/// from inside the container, the config is not, so there a run-time value may lower what
+/// the config grants, never raise it: the manager writes the allocation's own values
+/// (`rounds::region_rates`, from the allocation the config was written from), so an honest
+/// region never asks for more. Without the cap root in a 30 % container that wrote 100 %
+/// into its region got the whole GPU until the compute watchdog caught it
+/// (tests/containers/test_limiter_in_containers.py). Without a manager (a config of one's
+/// own, no allocation) whoever writes the region sets the share at run time, uncapped.
+fn share_and_limit(
+    run_share: u64,
+    run_limit: u64,
+    cfg_share: u64,
+    cfg_limit: u64,
+    capped: bool,
+) -> (u64, u64) {
+    let pick = |run: u64, cfg: u64| match (run, capped) {
+        (0, _) => cfg,
+        (run, true) => run.min(cfg),
+        (run, false) => run,
+    };
+    let share = pick(run_share, cfg_share);
+    // A limit below the share (0: none, a hard share) is the share. A run-time limit in a
+    // managed region is capped at what the config grants: its limit, or else its share.
+    let limit = match run_limit {
+        0 => cfg_limit,
+        run if capped => run.min(cfg_limit.max(cfg_share)),
+        run => run,
+    };
+    (share, limit.max(share))
+}
+
+#[cfg(test)]
+mod share_tests {
+    use super::share_and_limit;
+    use proptest::prelude::*;
+
+    #[test]
+    fn under_the_manager_the_config_grants_and_the_region_may_only_lower() {
+        let f = |rs, rl, cs, cl| share_and_limit(rs, rl, cs, cl, true);
+        // unset run-time values: the config's
+        assert_eq!(f(0, 0, 300_000, 0), (300_000, 300_000));
+        assert_eq!(f(0, 0, 300_000, 600_000), (300_000, 600_000));
+        // the manager's own values
+        assert_eq!(f(300_000, 600_000, 300_000, 600_000), (300_000, 600_000));
+        // raised from inside the container: capped
+        assert_eq!(f(1_000_000, 0, 300_000, 0), (300_000, 300_000));
+        assert_eq!(f(0, 1_000_000, 300_000, 0), (300_000, 300_000));
+        assert_eq!(
+            f(1_000_000, 1_000_000, 300_000, 600_000),
+            (300_000, 600_000)
+        );
+        // lowered: kept, and hard
+        assert_eq!(f(100_000, 0, 300_000, 0), (100_000, 100_000));
+    }
+
+    #[test]
+    fn without_a_manager_the_region_sets_the_share_at_run_time() {
+        let f = |rs, rl, cs, cl| share_and_limit(rs, rl, cs, cl, false);
+        assert_eq!(f(600_000, 0, 200_000, 0), (600_000, 600_000));
+        assert_eq!(f(0, 0, 200_000, 0), (200_000, 200_000));
+        // a share lowered at run time stays hard: its limit is not the config's share
+        assert_eq!(f(100_000, 0, 200_000, 0), (100_000, 100_000));
+        assert_eq!(f(200_000, 600_000, 200_000, 0), (200_000, 600_000));
+    }
+
+    proptest! {
+        #[test]
+        fn nothing_written_into_a_managed_region_raises_the_share_or_the_limit(
+            run_share in any::<u64>(), run_limit in any::<u64>(),
+            cfg_share in 0u64..=1_000_000, cfg_limit in 0u64..=1_000_000,
+        ) {
+            let (share, limit) = share_and_limit(run_share, run_limit, cfg_share, cfg_limit, true);
+            prop_assert!(share <= cfg_share);
+            prop_assert!(limit <= cfg_limit.max(cfg_share));
+            prop_assert!(share <= limit);
+        }
+
+        #[test]
+        fn without_a_manager_the_values_are_what_was_there_before(
+            run_share in any::<u64>(), run_limit in any::<u64>(),
+            cfg_share in 0u64..=1_000_000, cfg_limit in 0u64..=1_000_000,
+        ) {
+            // the formula before the cap
+            let share = if run_share == 0 { cfg_share } else { run_share };
+            let limit = if run_limit == 0 { cfg_limit } else { run_limit };
+            prop_assert_eq!(
+                share_and_limit(run_share, run_limit, cfg_share, cfg_limit, false),
+                (share, limit.max(share))
+            );
+        }
     }
 }
