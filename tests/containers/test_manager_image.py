@@ -1,32 +1,31 @@
 """vcuda-manager in its product image with exactly the DaemonSet's privileges (issue 11,
 point 12's proof under a real runtime; issue 17, point 4).
 
-The manager container is made from `deploy/vcuda-manager.yaml` itself, not a copy: its user,
-`allowPrivilegeEscalation: false` (no_new_privs), read-only root, `hostPID`, capabilities,
-volume mounts and command are read from the manifest and given to `docker run`, under the
-engine's default seccomp profile (the manifest's RuntimeDefault). Two things are the test's:
-the hostPath volumes are relocated to this test's directories, on both sides, as the manifest
-does (its mountPath equals its hostPath for each, so the paths the manager writes into
-Allocate answers are valid on the host: `test_host_paths_are_mounted_at_their_own_path`
-pins that); and gpusim's NVML stands in for the driver libraries the NVIDIA container
-runtime injects (`NVIDIA_VISIBLE_DEVICES=all`).
+The manager container is made from `deploy/vcuda-manager.yaml` itself, not a copy
+(daemonset.py: user, no_new_privs, read-only root, `hostPID`, capabilities, volume mounts,
+environment and command, under the engine's default seccomp profile), its hostPath volumes
+relocated to this test's directories and mounted at their own path, and gpusim's NVML
+standing in for the driver libraries the NVIDIA container runtime injects.
 
-Then the node does its whole job: registration with kubelet-sim, Allocate and
-PreStartContainer, a tenant in a real container registering and held to its quota, and the
-compute watchdog killing a process of another user that bypasses the library, which needs
-the one capability the manifest adds (KILL): without it the kill is refused.
+Both directions are proven:
+- nothing missing: the node does its whole job with the manifest's privileges (registration
+  with kubelet-sim, Allocate and PreStartContainer, a tenant in a real container registering
+  and held to its quota, the compute watchdog killing a bypassing process of another user);
+  and the node suites run against the manager in its image (VCUDA_MANAGER_FROM_IMAGE=1,
+  tests/manager/node_common.py);
+- nothing unused: for every privilege the manifest asks for, found in the manifest
+  (`privileges()`), a node without just that one fails at a step a user notices, and the
+  manager says why (`NEEDED`); a new privilege fails the test until its case is added.
 """
 
 import os
 import pathlib
-import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 
 import pytest
-import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpusim" / "e2e"))
@@ -37,23 +36,13 @@ sys.path.insert(0, str(ROOT / "tests" / "containers"))
 from gpusim_harness import GPUSIM, LIB, VCUDA_LIB, Sim, cc, gpusim_built  # noqa: E402,F401  (fixtures)
 from node_common import Node, bins, wait_for  # noqa: E402,F401
 import runtime  # noqa: E402
-from test_real_containers import IMAGE, engine_ready, fill_registered, held_mib, tools  # noqa: E402,F401
+from daemonset import IMAGE_USER, PRODUCT, ManagerContainer, install_library, manifest, without  # noqa: E402
+from test_real_containers import FILL, IMAGE, engine_ready, fill_registered, held_mib, tools  # noqa: E402,F401
 
-PRODUCT = "vcuda/vcuda:latest"
-MANIFEST = ROOT / "deploy" / "vcuda-manager.yaml"
 MiB = 1 << 20
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get("VCUDA_NO_IMAGES")),
                                 reason=f"real-container tests skipped: {os.environ.get('VCUDA_NO_IMAGES')}")
-
-
-def manifest():
-    docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
-    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
-    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vcuda-manager"]
-    spec = ds["spec"]["template"]["spec"]
-    (c,) = [c for c in spec["containers"] if c["name"] == "manager"]
-    return spec, c, cm["data"]
 
 
 def test_host_paths_are_mounted_at_their_own_path():
@@ -66,123 +55,6 @@ def test_host_paths_are_mounted_at_their_own_path():
         v = volumes[vm["name"]]
         if "hostPath" in v:
             assert vm["mountPath"] == v["hostPath"]["path"], vm
-
-
-def pod_container_args(spec, c, relocated, confdir, caps=None, at_own_path=False):
-    """`docker run` arguments for container `c` of the DaemonSet's pod `spec`, as the kubelet
-    would start it: hostPID, user, no_new_privs, read-only root, capabilities (`caps`
-    replaces the added ones), and its volume mounts with hostPath volumes at the test's
-    `relocated` directories (mounted at that same path when `at_own_path`, the manager's
-    case) and configMaps from `confdir`. Returns (args, the configMap's mount path, caps)."""
-    sc = c["securityContext"]
-    args = []
-    if spec.get("hostPID"):
-        args.append("--pid=host")
-    if "runAsUser" in sc:
-        args += ["--user", str(sc["runAsUser"])]
-    if sc.get("allowPrivilegeEscalation") is False:
-        args += ["--security-opt", "no-new-privileges"]
-    if sc.get("readOnlyRootFilesystem"):
-        args.append("--read-only")
-    added = sc["capabilities"].get("add", []) if caps is None else caps
-    for d in sc["capabilities"].get("drop", []):
-        args += ["--cap-drop", d]
-    for a in added:
-        args += ["--cap-add", a]
-    volumes = {v["name"]: v for v in spec["volumes"]}
-    config_mount = None
-    for vm in c["volumeMounts"]:
-        v = volumes[vm["name"]]
-        if "hostPath" in v:
-            src = pathlib.Path(relocated[v["hostPath"]["path"]])
-            src.mkdir(parents=True, exist_ok=True)
-            dst = src if at_own_path else pathlib.Path(vm["mountPath"])
-        elif "configMap" in v:
-            src, dst = confdir, pathlib.Path(vm["mountPath"])
-            config_mount = dst
-        else:
-            raise AssertionError(f"a volume kind this test does not know: {v}")
-        args += ["--mount", f"type=bind,src={src},dst={dst}" + (",readonly" if vm.get("readOnly") else "")]
-    return args, config_mount, added
-
-
-def install_library(spec, relocated, confdir):
-    """Run the DaemonSet's init container as the manifest has it: it puts the image's
-    libvcuda.so where every container on the node gets it."""
-    (init,) = spec["initContainers"]
-    args, _, _ = pod_container_args(spec, init, relocated, confdir)
-    p = subprocess.run(["docker", "run", "--rm", "--network", "none", *args, PRODUCT, *init["command"]],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, f"the init container {init['name']} failed: {p.stderr}"
-
-
-class ManagerContainer:
-    """vcuda-manager started from the product image the way the kubelet would start the
-    DaemonSet's pod on this node."""
-
-    def __init__(self, node, extra_flags=(), caps=None):
-        self.node = node
-        self.name = f"vcuda-manager-{secrets.token_hex(4)}"
-        spec, c, data = manifest()
-        # The hostPath volumes, relocated to this test's directories.
-        libdir = node.root / "library"
-        relocated = {
-            "/var/lib/kubelet/device-plugins": node.plugin_dir,
-            "/var/lib/kubelet/pod-resources": node.pr_socket.parent,
-            "/var/lib/vcuda": node.state,
-            "/run/vcuda": node.run_dir,
-            "/usr/local/vcuda/lib64": libdir,
-            "/var/run/cdi": node.cdi_dir,
-        }
-        confdir = node.root / "manager-config"
-        confdir.mkdir(exist_ok=True)
-        for k, v in data.items():
-            (confdir / k).write_text(v)
-        self.relocated, self.confdir, self.libdir = relocated, confdir, libdir
-        args, config_mount, self.caps = pod_container_args(spec, c, relocated, confdir, caps, at_own_path=True)
-        args = ["run", "--rm", "--name", self.name, "--network", "none", *args]
-        for e in c.get("env", []):
-            value = e.get("value", "node-1" if e["name"] == "NODE_NAME" else None)
-            assert value is not None, f"env {e} is not modelled here"
-            args += ["-e", f"{e['name']}={value}"]
-        # The NVIDIA container runtime's part: the driver's NVML (here gpusim's).
-        args += ["--mount", f"type=bind,src={LIB},dst={runtime.GPUSIM_LIB_IN_CONTAINER},readonly",
-                 "--mount", f"type=bind,src={node.sim.state},dst={runtime.GPUSIM_STATE_IN_CONTAINER}",
-                 "-e", f"GPUSIM_STATE={runtime.GPUSIM_STATE_IN_CONTAINER}"]
-        command = list(c["command"])
-        assert command[:1] == ["vcuda-manager"] and "--config" in command, command
-        assert config_mount is not None and command[command.index("--config") + 1].startswith(str(config_mount))
-        # The manifest's paths, relocated (the binary's defaults are the manifest's paths).
-        command += ["--device-plugin-dir", node.plugin_dir, "--pod-resources-socket", node.pr_socket,
-                    "--state-dir", node.state, "--run-dir", node.run_dir, "--library", libdir / "libvcuda.so",
-                    "--cdi-spec-dir", node.cdi_dir,
-                    "--nvml-library", f"{runtime.GPUSIM_LIB_IN_CONTAINER}/libnvidia-ml.so.1",
-                    "--metrics-address", "127.0.0.1:0", *extra_flags]
-        self.args = [*args, PRODUCT, *map(str, command)]
-
-    def start(self):
-        self.node.sim.status()  # gpusim's state exists before it is mounted (the driver is loaded)
-        install_library(manifest()[0], self.relocated, self.confdir)
-        self.proc = subprocess.Popen(["docker", *self.args], stdout=subprocess.DEVNULL,
-                                     stderr=open(self.node.manager_log, "a"))
-        self.node.manager = self.proc
-        return self
-
-    def status(self, field):
-        pid = runtime.docker("inspect", "-f", "{{.State.Pid}}", self.name).stdout.strip()
-        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return line.split()[1]
-        raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-    def close(self):
-        runtime.docker("stop", "-t", "10", self.name, check=False)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            runtime.docker("rm", "-f", self.name, check=False)
-            self.proc.wait(timeout=15)
-        self.node.manager = None
 
 
 @pytest.fixture
@@ -301,16 +173,240 @@ def test_the_manager_in_its_image_does_its_whole_job_with_the_daemonsets_privile
     assert "Operation not permitted" not in node.log() and "Permission denied" not in node.log(), node.log()[-3000:]
 
 
-def test_each_capability_the_daemonset_adds_is_needed(node, bins, tools):
-    """Without KILL, the manager (root, but not the bypassing process's user) cannot signal
-    it: the watchdog logs that it cannot kill, and the process runs on. So the manifest asks
-    for nothing it does not use."""
-    _, c, _ = manifest()
-    added = c["securityContext"]["capabilities"].get("add", [])
-    assert added == ["KILL"], f"a new capability in the manifest needs a test here showing its use: {added}"
-    killed, _, _ = run_the_node(node, bins, tools, caps=[])
-    assert not killed, "the bypass was killed without CAP_KILL: the manifest would not need it"
-    assert "watchdog: cannot kill" in node.log()
+# ---- every privilege the manifest asks for is used ---------------------------------------
+#
+# Each privilege-bearing item of the manager's pod in the manifest is found by
+# `privileges()` (generated from the manifest, not listed by hand); each has a case in
+# NEEDED saying where a node without it fails and the manager's words for it. The probe is
+# the node's job cut short: registration, one pod admitted (its Allocate answer's files and
+# CDI spec on the host), one process in a real container registering, and the watchdog
+# killing a bypassing process of another uid. Without the item, the probe must stop at the
+# case's step with the case's log line; with the manifest as shipped, no step fails (the
+# `as shipped` case). `test_the_manager_in_its_image_does_its_whole_job...` covers the
+# other direction: nothing the node needs is missing.
+
+STEPS = ("registration", "allocate", "cdi", "process registration", "watchdog kill")
+
+
+def privileges(pod):
+    """{case id: the change that takes that privilege away} for every privilege the manager's
+    pod in `pod` (as `manifest()` returns it) asks for. Items that are no privilege (the
+    configMap mount, the metrics port, NODE_NAME...) are not listed; a privilege this
+    function does not know how to take away is listed with None (its case must be added)."""
+    spec, c, _ = pod
+    sc = c.get("securityContext", {})
+    out = {}
+    caps = sc.get("capabilities", {})
+    if "ALL" not in caps.get("drop", []):
+        out["the runtime's default capabilities (no drop: [ALL])"] = None
+    for cap in caps.get("add", []):
+        out[f"capability {cap}"] = lambda s, c, cap=cap: c["securityContext"]["capabilities"]["add"].remove(cap)
+    for key in ("hostPID", "hostNetwork", "hostIPC"):
+        if spec.get(key):
+            out[key] = lambda s, c, key=key: s.pop(key)
+    if sc.get("privileged"):
+        out["privileged"] = None
+    if sc.get("allowPrivilegeEscalation") is not False:
+        out["privilege escalation"] = None
+    if not sc.get("readOnlyRootFilesystem"):
+        out["a writable root file system"] = lambda s, c: c["securityContext"].update(readOnlyRootFilesystem=True)
+    if sc.get("runAsUser", IMAGE_USER) == 0 and not sc.get("runAsNonRoot"):
+        out["root"] = lambda s, c: c["securityContext"].update(runAsUser=IMAGE_USER)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for i, vm in enumerate(c.get("volumeMounts", [])):
+        v = volumes[vm["name"]]
+        if "hostPath" not in v:
+            continue
+        path = v["hostPath"]["path"]
+        out[f"mount {path}"] = lambda s, c, i=i: c["volumeMounts"].pop(i)
+        if not vm.get("readOnly"):
+            out[f"write {path}"] = lambda s, c, i=i: c["volumeMounts"][i].update(readOnly=True)
+    for i, e in enumerate(c.get("env", [])):
+        if e["name"] == "NVIDIA_VISIBLE_DEVICES":
+            out["the GPUs (NVIDIA_VISIBLE_DEVICES)"] = lambda s, c, i=i: c["env"].pop(i)
+    for key in ("seLinuxOptions", "procMount", "seccompProfile", "appArmorProfile", "windowsOptions"):
+        if key in sc:
+            out[f"securityContext.{key}"] = None
+    return out
+
+
+# Case id: (the step a node without it fails at, what the manager says: a line of its log,
+# formatted with the node's relocated paths; None where the refusal is the answer itself).
+NEEDED = {
+    # The bypassing process runs as another uid: root without CAP_KILL may not signal it.
+    "capability KILL": ("watchdog kill", "pidfd_send_signal: Operation not permitted"),
+    # Without the host's pid namespace the tenant's process is pid 0 to the socket's peer
+    # credentials: its registration cannot be checked against its cgroup.
+    "hostPID": ("process registration", "registration refused pid=0"),
+    # The node's directories are root's (the kubelet makes them, 0755): the image's user
+    # cannot create the run directory's files, the first thing the manager writes.
+    "root": ("registration", "cannot create {run}/alloc: Permission denied"),
+    "mount /var/lib/kubelet/device-plugins": ("registration", "cannot serve the device plugin on {plugins}/vcuda-core.sock: No such file"),
+    "write /var/lib/kubelet/device-plugins": ("registration", "cannot serve the device plugin on {plugins}/vcuda-core.sock: Read-only"),
+    # PreStartContainer is refused: which pod's container it starts, only the kubelet says.
+    "mount /var/lib/kubelet/pod-resources": ("allocate", "cannot ask the kubelet's PodResources API at {podresources}"),
+    "mount /var/lib/vcuda": ("registration", "cannot create {state}: Read-only file system"),
+    "write /var/lib/vcuda": ("registration", "cannot write {state}/ld.so.preload: Read-only file system"),
+    "mount /run/vcuda": ("registration", "cannot create {run}/alloc: Read-only file system"),
+    "write /run/vcuda": ("registration", "cannot create {run}/alloc: Read-only file system"),
+    "mount /usr/local/vcuda/lib64": ("registration", "refusing to start: cannot read the library {library}"),
+    # `--cdi auto` finds no directory: no spec, and the Allocate answer names no CDI device.
+    "mount /var/run/cdi": ("cdi", None),
+    "write /var/run/cdi": ("cdi", "cannot write the CDI spec {cdi}/"),
+    # No GPUs from the NVIDIA runtime: no driver library in the container, no NVML.
+    "the GPUs (NVIDIA_VISIBLE_DEVICES)": ("registration", "cannot load NVML"),
+}
+
+
+def evidence_of(node, item):
+    """(the step, the manager's words) of `item`'s case on `node`."""
+    step, said = NEEDED[item]
+    if said is not None:
+        said = said.format(state=node.state, run=node.run_dir, plugins=node.plugin_dir, cdi=node.cdi_dir,
+                           podresources=node.pr_socket,
+                           library=node.root / "library" / "libvcuda.so")
+    return step, said
+
+
+class StepFailed(Exception):
+    def __init__(self, step, detail):
+        super().__init__(f"{step}: {detail}")
+        self.step, self.detail = step, detail
+
+
+def probe(node, bins, tools, pod, evidence):
+    """The node's job cut short, with the manager started from `pod`. Returns normally when
+    every step works; raises StepFailed at the first that does not. A step fails when its
+    result is wrong, or (to fail fast) when the manager's log shows `evidence`."""
+    m = ManagerContainer(node, pod=pod).start()
+    said = lambda: evidence is not None and evidence in node.log()  # noqa: E731
+    try:
+        # Registration: both resources, or the manager says why not, or it exits.
+        registered = lambda: all(  # noqa: E731
+            r["state"] == "registered" for r in node.status()["resources"]) and len(node.status()["resources"]) == 2
+        try:
+            wait_for("registration", lambda: registered() or said() or m.proc.poll() is not None, timeout=20)
+        except AssertionError:
+            pass
+        if not registered():
+            raise StepFailed("registration", f"kubelet-sim's resources: {node.status()['resources']}")
+        admitted = node.admit("tenant", core=30, memory=4)  # 30 %, 1 GiB
+        c = (admitted.get("containers") or [{}])[0]
+        if not (admitted.get("admitted") and c.get("start", {}).get("started")):
+            raise StepFailed("allocate", f"{admitted.get('rejection') or c.get('start')}")
+        missing = [mt["host_path"] for mt in c["allocate_response"]["mounts"] if not os.path.exists(mt["host_path"])]
+        if missing:
+            raise StepFailed("allocate", f"the answer mounts files the host lacks: {missing}")
+        specs = list(node.cdi_dir.glob("*")) if node.cdi_dir.is_dir() else []
+        if not specs or not c["allocate_response"].get("cdi_devices"):
+            raise StepFailed("cdi", f"specs in the CDI directory: {specs}; answer: {c['allocate_response'].get('cdi_devices')}")
+        uid = node.pod_uid("tenant")
+        engine = runtime.Engine(node.sim, image=IMAGE, tools=tools)
+        try:
+            tenant = engine.start(admitted, uid)
+            _register_one(node, tenant, said)
+            _watchdog_kill(node, bins, uid)
+        finally:
+            engine.close()
+    finally:
+        m.close()
+
+
+def _register_one(node, tenant, said):
+    """A process in the tenant's container (libvcuda preloaded, as the Allocate answer has
+    it) registers with the manager (or the manager says why not)."""
+    before = node.log().count("process registered")
+    p = tenant.popen(FILL, 64, 64)
+    try:
+        out = ""
+        for line in p.stdout:
+            out += line
+            if "holds" in line or "failed" in line or "refused" in line:
+                break
+        if "holds 64 MiB" not in out:
+            raise StepFailed("process registration", f"fill in the tenant's container said {out!r}")
+        try:
+            wait_for("the process's registration", lambda: node.log().count("process registered") > before or said(),
+                     timeout=10)
+        except AssertionError:
+            pass
+        if node.log().count("process registered") == before:
+            raise StepFailed("process registration", "the tenant's process was not registered")
+    finally:
+        p.stdin.close()
+        p.stdout.read(), p.stderr.read()
+        p.wait(timeout=30)
+
+
+def _watchdog_kill(node, bins, uid):
+    """A process of uid 1000 in the pod's cgroup, bypassing libvcuda, holds twice the pod's
+    1 GiB: the memory watchdog (the ConfigMap's watchdog_kill = true) must kill it."""
+    fill = node.sim.dir / "fill"
+    shutil.copy2(bins["fill"], fill)
+    lib = node.sim.dir / "lib"
+    shutil.copytree(LIB, lib, dirs_exist_ok=True)
+    env = dict(node.sim.env, POD_UID=uid, LD_LIBRARY_PATH=str(lib))
+    env.pop("LD_PRELOAD", None)
+    bypass = subprocess.Popen(["bash", "-c", BYPASS, "bypass", fill, "1024", "2048"], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        try:
+            wait_for("the watchdog's kill or its failure",
+                     lambda: "watchdog: killed" in node.log() or "watchdog: cannot kill" in node.log()
+                     or bypass.poll() is not None, timeout=15)
+        except AssertionError:
+            pass
+        if "watchdog: killed" in node.log():
+            try:
+                bypass.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if bypass.returncode != -9:
+            state = "running" if bypass.poll() is None else f"exited {bypass.returncode}: {bypass.stderr.read()[-500:]}"
+            raise StepFailed("watchdog kill", f"the bypassing process was not killed ({state})")
+    finally:
+        if bypass.poll() is None:
+            bypass.kill()
+        bypass.communicate()
+        _remove_cgroup(uid)
+
+
+PRIVILEGES = privileges(manifest())
+
+
+@pytest.mark.parametrize("item", ["as shipped", *PRIVILEGES])
+def test_each_privilege_the_daemonset_asks_for_is_needed(node, bins, tools, item):
+    """With the manifest as shipped the probe's every step works; without any one of its
+    privileges (a capability, hostPID, root, a hostPath mount, a mount's write access, the
+    GPUs...: `privileges()` finds them in the manifest) the node fails at a step a user
+    notices, and the manager says why (NEEDED). So the manifest asks for nothing it does
+    not use; a new privilege in it fails here until its case is added."""
+    pod = manifest()
+    if item == "as shipped":
+        probe(node, bins, tools, pod, None)
+        return
+    assert PRIVILEGES[item] is not None and item in NEEDED, (
+        f"the manifest asks for {item!r}, which no case here shows needed: add one to NEEDED "
+        f"(tests/containers/test_manager_image.py) showing what fails without it, or drop it from the manifest")
+    step, evidence = evidence_of(node, item)
+    assert step in STEPS, step
+    with pytest.raises(StepFailed) as failed:
+        probe(node, bins, tools, without(pod, PRIVILEGES[item]), evidence)
+    assert failed.value.step == step, f"without {item}: {failed.value}\n{node.log()[-3000:]}"
+    if evidence is not None:
+        assert evidence in node.log(), f"without {item}, the manager does not say {evidence!r}:\n{node.log()[-3000:]}"
+    print(f"without {item}: {failed.value}; the manager: {_line(node.log(), evidence)}")
+
+
+def test_every_case_names_a_privilege_the_manifest_asks_for():
+    """A case for a privilege the manifest no longer asks for is stale: remove it."""
+    assert set(NEEDED) <= set(PRIVILEGES), f"cases for privileges the manifest does not ask for: {set(NEEDED) - set(PRIVILEGES)}"
+
+
+def _line(log, evidence):
+    if evidence is None:
+        return "(nothing)"
+    return next((line for line in log.splitlines() if evidence in line), "")[-400:]
 
 
 def test_the_init_container_installs_the_shipped_library_without_touching_a_mapped_one(product, tmp_path):

@@ -26,6 +26,10 @@ RELEASE = ROOT / "target" / "release"
 # VCUDA_MANAGER_BIN / KUBELET_SIM_BIN run binaries built elsewhere (e.g. another CARGO_TARGET_DIR).
 MANAGER = pathlib.Path(os.environ.get("VCUDA_MANAGER_BIN", RELEASE / "vcuda-manager"))
 KUBELET_SIM = pathlib.Path(os.environ.get("KUBELET_SIM_BIN", RELEASE / "kubelet-sim"))
+# VCUDA_MANAGER_FROM_IMAGE=1: the manager runs from the product image (vcuda/vcuda:latest)
+# with exactly deploy/vcuda-manager.yaml's privileges (tests/containers/daemonset.py), not as
+# the host binary; configured by the same flags, its paths bound at their own path.
+FROM_IMAGE = os.environ.get("VCUDA_MANAGER_FROM_IMAGE") == "1"
 DOMAIN = "tencent.com"
 CORE = f"{DOMAIN}/vcuda-core"
 MEMORY = f"{DOMAIN}/vcuda-memory"
@@ -95,6 +99,8 @@ class Node:
         # account on the machine running the tests must not make the manager use it.
         if not any(str(a) in ("--api", "--kubeconfig") for a in extra):
             extra = ("--api", "off", *extra)
+        if FROM_IMAGE:
+            return self._start_manager_from_image(extra)
         self.manager = subprocess.Popen(
             [*self.manager_wrap, MANAGER, "--device-plugin-dir", self.plugin_dir, "--pod-resources-socket", self.pr_socket,
              "--state-dir", self.state, "--run-dir", self.run_dir, "--library", VCUDA_LIB,
@@ -105,6 +111,31 @@ class Node:
         )
         return self
 
+    def _start_manager_from_image(self, extra):
+        """The manager in its image, started as the kubelet starts the DaemonSet's pod; the
+        node's directories (and its simulated /proc tree) bound at their own path."""
+        if self.manager_wrap:
+            pytest.skip("the test gives the host binary privileges of its own (manager_wrap: setpriv) and reads "
+                        "its /proc by pid; with VCUDA_MANAGER_FROM_IMAGE the manager runs in its image with the "
+                        "manifest's privileges instead (tests/containers/test_manager_image.py proves them)")
+        import sys
+
+        if str(ROOT / "tests" / "containers") not in sys.path:
+            sys.path.insert(0, str(ROOT / "tests" / "containers"))
+        from daemonset import ManagerContainer
+
+        mounts = [] if self.proc_root == pathlib.Path("/proc") else [(self.proc_root, True)]
+        # `--cdi auto` is on where the CDI directory exists: a test node has none unless the
+        # test makes one or asks for `--cdi on`, so none is mounted then (a real node's is
+        # made by the kubelet: hostPath type DirectoryOrCreate).
+        args = [str(a) for a in extra]
+        cdi_on = any(a == "--cdi" and b == "on" for a, b in zip(args, args[1:])) or "--cdi=on" in args
+        omit = [] if self.cdi_dir.exists() or cdi_on else ["/var/run/cdi"]
+        self.manager_container = ManagerContainer(
+            self, ["--proc-root", self.proc_root, "--recover-after", str(self.recover_after), "--log", self.log_level, *extra],
+            use_config=False, mounts=mounts, omit_hostpaths=omit, reuse_library=True).start()
+        return self
+
     def _cdi_args(self, extra):
         # A manager built elsewhere (VCUDA_MANAGER_BIN) may predate `--cdi-spec-dir`.
         if "VCUDA_MANAGER_BIN" in os.environ or any(str(a) == "--cdi-spec-dir" for a in extra):
@@ -112,6 +143,9 @@ class Node:
         return ["--cdi-spec-dir", self.cdi_dir]
 
     def stop_manager(self):
+        if getattr(self, "manager_container", None):
+            self.manager_container.close()
+            self.manager_container = None
         if self.manager and self.manager.poll() is None:
             self.manager.send_signal(signal.SIGTERM)
             self.manager.wait(timeout=10)
@@ -211,7 +245,10 @@ class Node:
         import urllib.request
 
         m = wait_for("the metrics address", lambda: re.findall(r"metrics at http://(\S+)/metrics", self.log()))
-        text = urllib.request.urlopen(f"http://{m[-1]}/metrics", timeout=5).read().decode()
+        if getattr(self, "manager_container", None):  # the pod's port, from the pod's network
+            text = self.manager_container.fetch(f"http://{m[-1]}/metrics")
+        else:
+            text = urllib.request.urlopen(f"http://{m[-1]}/metrics", timeout=5).read().decode()
         out = {}
         for line in text.splitlines():
             hit = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
