@@ -349,12 +349,19 @@ thread_local! {
     static CTX_STACK: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
 }
 
+// The stack is reached with `try_with`: a thread's destructors (the CUDA runtime's at
+// process exit, CuPy's among them) may call the driver after the stack itself was
+// destroyed. There the thread has no current context, and pushes are dropped, instead of a
+// panic ("cannot access a Thread Local Storage value during or after destruction").
 pub fn current_ctx_id() -> Option<u64> {
-    CTX_STACK.with(|s| s.borrow().last().copied())
+    CTX_STACK
+        .try_with(|s| s.borrow().last().copied())
+        .ok()
+        .flatten()
 }
 
 pub fn set_current(ctx: Option<u64>) {
-    CTX_STACK.with(|s| {
+    let _ = CTX_STACK.try_with(|s| {
         let mut s = s.borrow_mut();
         match ctx {
             Some(c) => match s.last_mut() {
@@ -369,11 +376,11 @@ pub fn set_current(ctx: Option<u64>) {
 }
 
 pub fn push_current(ctx: u64) {
-    CTX_STACK.with(|s| s.borrow_mut().push(ctx));
+    let _ = CTX_STACK.try_with(|s| s.borrow_mut().push(ctx));
 }
 
 pub fn pop_current() -> Option<u64> {
-    CTX_STACK.with(|s| s.borrow_mut().pop())
+    CTX_STACK.try_with(|s| s.borrow_mut().pop()).ok().flatten()
 }
 
 impl Driver {
