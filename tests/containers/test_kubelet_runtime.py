@@ -31,11 +31,13 @@ class DockerNode:
     """A node whose kubelet-sim runs containers with `docker run`."""
 
     def __init__(self, tmp_path, tools, driver="cgroupfs", edits="all", kubelet_version=None, cdi=False,
-                 cdi_spec_dir=None, extra=()):
+                 cdi_spec_dir=None, extra=(), image=IMAGE):
+        """tools: a host directory the node mounts into every container (None: nothing);
+        image: the image every container runs."""
         self.sim = Sim(tmp_path)
         self.node = Node(self.sim, tmp_path / "node", proc_root="/proc")
         self.pid_socket, self.pid_service = runtime.start_pid_service(self.sim)
-        args = ["--runtime", "docker", "--runtime-image", IMAGE, "--cgroup-driver", driver,
+        args = ["--runtime", "docker", "--runtime-image", image, "--cgroup-driver", driver,
                 "--runtime-edits", edits, "--cdi-spec-dir", cdi_spec_dir or self.node.cdi_dir,
                 *runtime.node_injection_args(self.sim, self.pid_socket, tools), *extra]
         self.node.start_kubelet(kubelet_version=kubelet_version, extra=args)
