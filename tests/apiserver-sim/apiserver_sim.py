@@ -3,8 +3,9 @@
 
 It speaks the core/v1 REST API in JSON for the objects vcuda-scheduler and vcuda-manager use:
 nodes (cluster-scoped), pods and configmaps (namespaced), the pods/binding subresource and the
-pods/status and nodes/status subresources, plus the discovery documents (/api, /api/v1, /apis)
-and /version, so that kube-rs clients (`Client::try_default()` with KUBECONFIG pointing at the
+pods/status and nodes/status subresources; coordination.k8s.io/v1 leases (namespaced: the
+managers' node Leases); plus the discovery documents (/api, /api/v1, /apis, /apis/<group>,
+/apis/<group>/v1) and /version, so that kube-rs clients (`Client::try_default()` with KUBECONFIG pointing at the
 file written by --kubeconfig) work against it unchanged.
 
 Which upstream behaviour each part follows is said in the docstring of that part; README.md
@@ -42,7 +43,8 @@ GIT_VERSION = "v1.36.3"
 
 @dataclass(frozen=True)
 class Resource:
-    """One core/v1 resource as the real registry (pkg/registry/core/<resource>/) defines it."""
+    """One resource as the real registry (pkg/registry/<group>/<resource>/) defines it: core/v1
+    (group "") or a named group's v1."""
 
     name: str  # plural, as in the URL and in error messages ("nodes")
     kind: str
@@ -52,6 +54,11 @@ class Resource:
     subresources: tuple
     # pods set ReturnDeletedObject (the DELETE answer is the pod); the others answer a Status.
     return_deleted: bool
+    group: str = ""  # "" = the core group (/api/v1); else /apis/<group>/v1
+
+    @property
+    def api_version(self):
+        return f"{self.group}/v1" if self.group else "v1"
 
 
 RESOURCES = {
@@ -65,8 +72,13 @@ RESOURCES = {
             ("status", "binding"), True,
         ),
         Resource("configmaps", "ConfigMap", True, ("cm",), ("metadata.name", "metadata.namespace"), (), False),
+        # pkg/registry/coordination/lease: namespaced, the generic field set, no subresources.
+        Resource("leases", "Lease", True, (), ("metadata.name", "metadata.namespace"), (), False, "coordination.k8s.io"),
     )
 }
+
+# The named API groups (GET /apis), each served at version v1 only.
+GROUPS = sorted({r.group for r in RESOURCES.values() if r.group})
 
 # Verbs as the real discovery document lists them. watch and deletecollection: see README (watch is
 # advertised like the real server does, but answered 405).
@@ -96,16 +108,27 @@ class ApiError(Exception):
         self.code = code
 
 
-def not_found(resource, name):
-    return ApiError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource})
+def _qualified(resource, name, group):
+    """schema.GroupResource.String() and the details: "leases.coordination.k8s.io", group set
+    only for a named group."""
+    details = {"name": name, "group": group, "kind": resource} if group else {"name": name, "kind": resource}
+    return (f"{resource}.{group}" if group else resource), details
 
 
-def already_exists(resource, name):
-    return ApiError(409, "AlreadyExists", f'{resource} "{name}" already exists', {"name": name, "kind": resource})
+def not_found(resource, name, group=""):
+    q, details = _qualified(resource, name, group)
+    return ApiError(404, "NotFound", f'{q} "{name}" not found', details)
 
 
-def conflict(resource, name, why="the object has been modified; please apply your changes to the latest version and try again"):
-    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {resource} "{name}": {why}', {"name": name, "kind": resource})
+def already_exists(resource, name, group=""):
+    q, details = _qualified(resource, name, group)
+    return ApiError(409, "AlreadyExists", f'{q} "{name}" already exists', details)
+
+
+def conflict(resource, name, why="the object has been modified; please apply your changes to the latest version and try again",
+             group=""):
+    q, details = _qualified(resource, name, group)
+    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {q} "{name}": {why}', details)
 
 
 def bad_request(message):
@@ -147,11 +170,12 @@ class FieldError:
         return f"{self.field}: {self.body}"
 
 
-def invalid(kind, name, errors):
+def invalid(kind, name, errors, group=""):
     """NewInvalid: 422, details.kind is the Kind here (not the resource), one cause per error."""
     agg = str(errors[0]) if len(errors) == 1 else "[" + ", ".join(map(str, errors)) + "]"
     causes = [{"reason": e.reason, "message": e.body, "field": e.field} for e in errors]
-    return ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {agg}', {"name": name, "kind": kind, "causes": causes})
+    q, details = _qualified(kind, name, group)
+    return ApiError(422, "Invalid", f'{q} "{name}" is invalid: {agg}', {**details, "causes": causes})
 
 
 # ---- selectors -----------------------------------------------------------------------------------
@@ -373,6 +397,8 @@ def json_patch(doc, ops):
 # atomic, as an etcd transaction is.
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# metav1.MicroTime: time.Parse(RFC3339Micro) (six fractional digits, Z or an offset).
+_MICRO_TIME_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}(Z|[+-]\d{2}:\d{2})$")
 _NAME_MSG = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
              "start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is "
              "'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
@@ -385,7 +411,7 @@ def typed(res, obj):
     """A copy with kind and apiVersion set and first, as the real server serialises objects."""
     if not isinstance(obj, dict):
         raise bad_request(f"the body of the request is not a {res.kind} object")
-    out = {"kind": res.kind, "apiVersion": "v1"}
+    out = {"kind": res.kind, "apiVersion": res.api_version}
     out.update((k, copy.deepcopy(v)) for k, v in obj.items() if k not in ("kind", "apiVersion"))
     _meta(out)
     return out
@@ -443,7 +469,7 @@ class Store:
         with self.lock:
             obj = self.objects.get((res.name, ns, name))
             if obj is None:
-                raise not_found(res.name, name)
+                raise not_found(res.name, name, res.group)
             return copy.deepcopy(obj)
 
     def list(self, res, ns, label_selector="", field_selector=""):
@@ -459,7 +485,8 @@ class Store:
                     item.pop("kind", None)
                     item.pop("apiVersion", None)
                     items.append(item)
-            return {"kind": res.kind + "List", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)}, "items": items}
+            return {"kind": res.kind + "List", "apiVersion": res.api_version, "metadata": {"resourceVersion": str(self.rv)},
+                    "items": items}
 
     # -- create --
 
@@ -479,8 +506,10 @@ class Store:
         errors = self._validate_meta(meta)
         if res.name == "pods":
             errors += self._prepare_pod(obj)
+        if res.name == "leases":
+            errors += self._validate_lease(obj)
         if errors:
-            raise invalid(res.kind, name, errors)
+            raise invalid(res.kind, name, errors, res.group)
         if meta.get("resourceVersion"):
             # etcd3 store: "resourceVersion should not be set on objects to be created" (a plain error → 500).
             raise internal_error("resourceVersion should not be set on objects to be created")
@@ -491,7 +520,7 @@ class Store:
         with self.lock:
             key = (res.name, ns if res.namespaced else "", name)
             if key in self.objects:
-                raise already_exists(res.name, name)
+                raise already_exists(res.name, name, res.group)
             meta["resourceVersion"] = self._bump()
             self.objects[key] = obj
             return copy.deepcopy(obj)
@@ -499,11 +528,34 @@ class Store:
     def decode(self, res, body):
         if not isinstance(body, dict):
             raise bad_request(f"the body of the request is not a {res.kind} object")
-        if body.get("apiVersion", "v1") != "v1":
-            raise bad_request(f"the API version in the data ({body['apiVersion']}) does not match the expected API version (v1)")
+        if body.get("apiVersion", res.api_version) != res.api_version:
+            raise bad_request(f"the API version in the data ({body['apiVersion']}) does not match the expected API version "
+                              f"({res.api_version})")
         if body.get("kind", res.kind) != res.kind:
             raise bad_request(f"the kind in the data ({body['kind']}) does not match the expected kind ({res.kind})")
         return typed(res, body)
+
+    @staticmethod
+    def _validate_lease(lease):
+        """ValidateLeaseSpec (pkg/apis/coordination/validation): leaseDurationSeconds > 0 and
+        leaseTransitions >= 0 when set. renewTime/acquireTime are MicroTime: RFC 3339 with
+        microseconds (2026-11-28T04:00:00.123456Z); one that does not parse fails decoding (400)."""
+        spec = lease.get("spec") or {}
+        if not isinstance(spec, dict):
+            raise bad_request("the body of the request is not a Lease object: spec is not an object")
+        for k in ("renewTime", "acquireTime"):
+            v = spec.get(k)
+            if v is not None and not (isinstance(v, str) and _MICRO_TIME_RE.match(v)):
+                raise bad_request(f'Lease in version "v1" cannot be handled as a Lease: spec.{k}: {v!r} is not a MicroTime '
+                                  "(RFC 3339, e.g. 2026-11-28T04:00:00.123456Z)")
+        errors = []
+        d = spec.get("leaseDurationSeconds")
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d <= 0):
+            errors.append(FieldError("Invalid", "spec.leaseDurationSeconds", "must be greater than 0", d))
+        t = spec.get("leaseTransitions")
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            errors.append(FieldError("Invalid", "spec.leaseTransitions", "must be greater than or equal to 0", t))
+        return errors
 
     @staticmethod
     def _validate_meta(meta):
@@ -544,10 +596,10 @@ class Store:
             key = (res.name, ns if res.namespaced else "", name)
             current = self.objects.get(key)
             if current is None:
-                raise not_found(res.name, name)
+                raise not_found(res.name, name, res.group)
             if path and self.conflicts.get(path, 0) > 0:
                 self.conflicts[path] -= 1
-                raise conflict(res.name, name)
+                raise conflict(res.name, name, group=res.group)
             new = typed(res, mutate(copy.deepcopy(current)))
             meta, cur_meta = _meta(new), current["metadata"]
             if meta.get("name") != name:
@@ -556,9 +608,9 @@ class Store:
                 raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
             rv = meta.get("resourceVersion")
             if rv and rv != cur_meta["resourceVersion"]:
-                raise conflict(res.name, name)
+                raise conflict(res.name, name, group=res.group)
             if meta.get("uid") and meta["uid"] != cur_meta["uid"]:
-                raise invalid(res.kind, name, [FieldError("Invalid", "metadata.uid", "field is immutable", meta["uid"])])
+                raise invalid(res.kind, name, [FieldError("Invalid", "metadata.uid", "field is immutable", meta["uid"])], res.group)
             if subresource == "status":
                 # *StatusStrategy.PrepareForUpdate + ResetObjectMetaForStatus: only status changes.
                 status = new.get("status")
@@ -583,6 +635,10 @@ class Store:
                     del meta["namespace"]
                 if res.name == "pods" and self._mask_pod_spec(new.get("spec")) != self._mask_pod_spec(current.get("spec")):
                     raise invalid("Pod", name, [FieldError("Forbidden", "spec", _POD_UPDATE_MSG)])
+                if res.name == "leases":
+                    errors = self._validate_lease(new)
+                    if errors:
+                        raise invalid("Lease", name, errors, res.group)
             _meta(new)["resourceVersion"] = cur_meta["resourceVersion"]
             if new == current:
                 return copy.deepcopy(current)
@@ -674,13 +730,14 @@ class Store:
             key = (res.name, ns if res.namespaced else "", name)
             current = self.objects.get(key)
             if current is None:
-                raise not_found(res.name, name)
+                raise not_found(res.name, name, res.group)
             meta = current["metadata"]
             if pre.get("uid") and pre["uid"] != meta["uid"]:
-                raise conflict(res.name, name, f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: {meta['uid']}")
+                raise conflict(res.name, name, f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: {meta['uid']}",
+                               res.group)
             if pre.get("resourceVersion") and pre["resourceVersion"] != meta["resourceVersion"]:
                 raise conflict(res.name, name, f"Precondition failed: ResourceVersion in precondition: {pre['resourceVersion']}, "
-                                               f"ResourceVersion in object meta: {meta['resourceVersion']}")
+                                               f"ResourceVersion in object meta: {meta['resourceVersion']}", res.group)
             if res.name == "pods":
                 grace = options.get("gracePeriodSeconds")
                 spec, phase = current.get("spec") or {}, (current.get("status") or {}).get("phase")
@@ -722,9 +779,18 @@ def api_versions(host):
             "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": host}]}
 
 
-def api_resource_list():
+def api_group(group):
+    gv = {"groupVersion": f"{group}/v1", "version": "v1"}
+    return {"name": group, "versions": [gv], "preferredVersion": gv}
+
+
+def api_group_list():
+    return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [api_group(g) for g in GROUPS]}
+
+
+def api_resource_list(group=""):
     resources = []
-    for res in RESOURCES.values():
+    for res in (r for r in RESOURCES.values() if r.group == group):
         singular = res.kind.lower()
         resources.append({"name": res.name, "singularName": singular, "namespaced": res.namespaced, "kind": res.kind,
                           "verbs": MAIN_VERBS, "shortNames": list(res.short_names)})
@@ -735,7 +801,8 @@ def api_resource_list():
                 resources.append({"name": f"{res.name}/{sub}", "singularName": "", "namespaced": res.namespaced, "kind": res.kind,
                                   "verbs": STATUS_VERBS})
     resources.sort(key=lambda r: r["name"])
-    return {"kind": "APIResourceList", "groupVersion": "v1", "resources": resources}
+    return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/v1" if group else "v1",
+            "resources": resources}
 
 
 def version_info():
@@ -828,20 +895,28 @@ class Handler(BaseHTTPRequestHandler):
         if method == "GET" and parts == ["api", "v1"]:
             return 200, api_resource_list()
         if method == "GET" and parts == ["apis"]:
-            return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": []}
-        if parts[:2] != ["api", "v1"]:
+            return 200, api_group_list()
+        if method == "GET" and len(parts) == 2 and parts[0] == "apis" and parts[1] in GROUPS:
+            return 200, {"kind": "APIGroup", "apiVersion": "v1", **api_group(parts[1])}
+        if method == "GET" and len(parts) == 3 and parts[0] == "apis" and parts[1] in GROUPS and parts[2] == "v1":
+            return 200, api_resource_list(parts[1])
+        if parts[:2] == ["api", "v1"]:
+            group, rest = "", parts[2:]
+        elif parts[:1] == ["apis"] and len(parts) >= 3 and parts[1] in GROUPS and parts[2] == "v1":
+            group, rest = parts[1], parts[3:]
+        else:
             raise path_not_found()
-        rest = parts[2:]
         if query.get("watch") in ("true", "1") or rest[:1] == ["watch"]:
             raise method_not_allowed("watch is not simulated by apiserver-sim: list and poll instead")
         if query.get("dryRun"):
             raise bad_request("dryRun is not simulated by apiserver-sim")
 
         # /api/v1/namespaces/{ns}/{resource}[/{name}[/{sub}]] or /api/v1/{resource}[/{name}[/{sub}]]
+        # (and the same under /apis/<group>/v1)
         ns = None
         if len(rest) >= 3 and rest[0] == "namespaces":
             ns, rest = rest[1], rest[2:]
-        if not rest or rest[0] not in RESOURCES or len(rest) > 3:
+        if not rest or rest[0] not in RESOURCES or RESOURCES[rest[0]].group != group or len(rest) > 3:
             raise path_not_found()
         res = RESOURCES[rest[0]]
         name = rest[1] if len(rest) > 1 else None
@@ -932,7 +1007,8 @@ class Handler(BaseHTTPRequestHandler):
         for item in items:
             item.pop("kind", None)
             item.pop("apiVersion", None)
-        return {"kind": res.kind + "List", "apiVersion": "v1", "metadata": {"resourceVersion": str(store.rv)}, "items": items}
+        return {"kind": res.kind + "List", "apiVersion": res.api_version, "metadata": {"resourceVersion": str(store.rv)},
+                "items": items}
 
     # -- test-only endpoints --
 
@@ -948,8 +1024,8 @@ class Handler(BaseHTTPRequestHandler):
             return 200, {"reset": True}
         if method == "POST" and parts == ["conflict-next"]:
             path = query.get("path", "")
-            if not path.startswith("/api/v1/"):
-                raise bad_request("conflict-next needs path=/api/v1/... (an object path)")
+            if not path.startswith(("/api/v1/", "/apis/")):
+                raise bad_request("conflict-next needs path=/api/v1/... or /apis/<group>/v1/... (an object path)")
             try:
                 count = int(query.get("count", "1"))
             except ValueError:

@@ -546,3 +546,91 @@ def test_request_log_objects_and_reset(api):
     assert api.get("/_sim/requests")[1]["requests"] == []
     assert api.get("/_sim/objects")[1]["objects"]["nodes"] == []
     assert int(api.node("n1")["metadata"]["resourceVersion"]) > rv_before, "resourceVersions never go backwards"
+
+
+# ---- coordination.k8s.io/v1 leases -----------------------------------------------------------------
+
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/vcuda-system/leases"
+
+
+def lease_body(name, holder, renew, labels=None, **spec):
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "labels": labels or {"app.kubernetes.io/name": "vcuda-manager"}},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 40, "acquireTime": renew, "renewTime": renew,
+                     "leaseTransitions": 0, **spec}}
+
+
+def test_lease_discovery(api):
+    code, groups = api.get("/apis")
+    assert code == 200 and groups["kind"] == "APIGroupList"
+    coord = {g["name"]: g for g in groups["groups"]}["coordination.k8s.io"]
+    assert coord["preferredVersion"] == {"groupVersion": "coordination.k8s.io/v1", "version": "v1"}
+    code, group = api.get("/apis/coordination.k8s.io")
+    assert code == 200 and group["kind"] == "APIGroup" and group["name"] == "coordination.k8s.io"
+    code, rl = api.get("/apis/coordination.k8s.io/v1")
+    assert code == 200 and rl["kind"] == "APIResourceList" and rl["groupVersion"] == "coordination.k8s.io/v1"
+    assert [(r["name"], r["kind"], r["namespaced"]) for r in rl["resources"]] == [("leases", "Lease", True)]
+    assert {"create", "get", "list", "update", "patch", "delete"} <= set(rl["resources"][0]["verbs"])
+    code, core = api.get("/api/v1")
+    assert "leases" not in {r["name"] for r in core["resources"]}, "leases are not core/v1"
+    assert api.get("/api/v1/namespaces/vcuda-system/leases")[0] == 404
+    assert api.get("/apis/coordination.k8s.io/v1/nodes")[0] == 404, "nodes are not coordination.k8s.io"
+
+
+def test_leases_create_get_list_update_patch_delete(api):
+    """A Lease is a namespaced object of the coordination.k8s.io/v1 group, written as the core
+    resources are: resourceVersion conflicts, label selectors, MicroTime fields kept as sent."""
+    t0, t1 = "2026-11-28T04:00:00.123456Z", "2026-11-28T04:00:10.654321Z"
+    code, a = api.post(LEASES, lease_body("vcuda-manager-n1", "n1/01", t0))
+    assert code == 201, a
+    assert (a["kind"], a["apiVersion"]) == ("Lease", "coordination.k8s.io/v1")
+    assert a["metadata"]["namespace"] == "vcuda-system" and a["spec"]["renewTime"] == t0
+    other = lease_body("kube-thing", "x", t0, labels={"app.kubernetes.io/name": "other"})
+    assert api.post(LEASES, other)[0] == 201
+    code, dup = api.post(LEASES, lease_body("vcuda-manager-n1", "n1/02", t0))
+    assert code == 409 and dup["reason"] == "AlreadyExists"
+    assert dup["message"] == 'leases.coordination.k8s.io "vcuda-manager-n1" already exists'
+    assert dup["details"] == {"name": "vcuda-manager-n1", "group": "coordination.k8s.io", "kind": "leases"}
+
+    code, got = api.get(f"{LEASES}/vcuda-manager-n1")
+    assert code == 200 and got == a
+    code, lst = api.get(f"{LEASES}?labelSelector=app.kubernetes.io%2Fname%3Dvcuda-manager")
+    assert code == 200 and (lst["kind"], lst["apiVersion"]) == ("LeaseList", "coordination.k8s.io/v1")
+    assert [i["metadata"]["name"] for i in lst["items"]] == ["vcuda-manager-n1"]
+    code, all_ns = api.get("/apis/coordination.k8s.io/v1/leases")
+    assert code == 200 and len(all_ns["items"]) == 2
+    assert api.get("/apis/coordination.k8s.io/v1/namespaces/other/leases")[1]["items"] == []
+
+    # Renewal: a PUT with the resourceVersion read; the same write again is a conflict.
+    renewed = json.loads(json.dumps(got))
+    renewed["spec"]["renewTime"] = t1
+    code, b = api.put(f"{LEASES}/vcuda-manager-n1", renewed)
+    assert code == 200 and b["spec"]["renewTime"] == t1
+    assert int(b["metadata"]["resourceVersion"]) > int(a["metadata"]["resourceVersion"])
+    code, stale = api.put(f"{LEASES}/vcuda-manager-n1", renewed)
+    assert code == 409 and stale["reason"] == "Conflict"
+    assert stale["message"] == f'Operation cannot be fulfilled on leases.coordination.k8s.io "vcuda-manager-n1": {CONFLICT_MSG}'
+    code, c = api.patch(f"{LEASES}/vcuda-manager-n1",
+                        {"metadata": {"resourceVersion": b["metadata"]["resourceVersion"]}, "spec": {"holderIdentity": "n1/02"}})
+    assert code == 200 and c["spec"]["holderIdentity"] == "n1/02" and c["spec"]["renewTime"] == t1
+    code, _ = api.post(f"/_sim/conflict-next?path={LEASES}/vcuda-manager-n1&count=1", {})
+    assert code == 200
+    assert api.patch(f"{LEASES}/vcuda-manager-n1", {"spec": {"leaseTransitions": 1}})[0] == 409
+    assert api.patch(f"{LEASES}/vcuda-manager-n1", {"spec": {"leaseTransitions": 1}})[0] == 200
+
+    # Validation: a duration must be positive; a time must be a MicroTime.
+    code, bad = api.patch(f"{LEASES}/vcuda-manager-n1", {"spec": {"leaseDurationSeconds": 0}})
+    assert code == 422 and bad["reason"] == "Invalid"
+    assert bad["message"] == 'Lease.coordination.k8s.io "vcuda-manager-n1" is invalid: spec.leaseDurationSeconds: ' \
+                             'Invalid value: 0: must be greater than 0'
+    assert (bad["details"]["group"], bad["details"]["kind"]) == ("coordination.k8s.io", "Lease")
+    code, bad = api.post(LEASES, lease_body("vcuda-manager-n2", "n2/01", "yesterday"))
+    assert code == 400 and "MicroTime" in bad["message"]
+    code, bad = api.post(LEASES, {**lease_body("vcuda-manager-n2", "n2/01", t0), "apiVersion": "v1"})
+    assert code == 400 and "coordination.k8s.io/v1" in bad["message"]
+
+    code, gone = api.delete(f"{LEASES}/vcuda-manager-n1")
+    assert code == 200 and gone["status"] == "Success" and gone["details"]["kind"] == "leases"
+    code, missing = api.get(f"{LEASES}/vcuda-manager-n1")
+    assert code == 404 and missing["message"] == 'leases.coordination.k8s.io "vcuda-manager-n1" not found'
+    assert [o["metadata"]["name"] for o in api.get("/_sim/objects")[1]["objects"]["leases"]] == ["kube-thing"]
