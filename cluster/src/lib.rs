@@ -198,6 +198,31 @@ pub struct NodeInventory {
     /// a tenant cannot edit them (optional: absent from older writers).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<PodHolding>,
+    /// The `coordination.k8s.io/v1` Lease the manager renews while it runs (every
+    /// `durationSeconds / 4`): a scheduler stops placing pods here once it has seen the
+    /// Lease unchanged for longer than `durationSeconds` (the node is lost: dead or cut off
+    /// from the API server). Optional: absent from older writers, whose nodes are not
+    /// checked for liveness.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<LeaseRef>,
+}
+
+/// Which Lease proves a node's vcuda-manager alive, and for how long one renewal counts.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseRef {
+    /// The Lease's namespace (the manager's own, e.g. `vcuda-system`).
+    pub namespace: String,
+    /// The Lease's name (`vcuda-manager-<node name>`).
+    pub name: String,
+    /// Seconds one renewal keeps the node alive (the Lease's `leaseDurationSeconds`, ≥ 1).
+    pub duration_seconds: u32,
+}
+
+impl std::fmt::Display for LeaseRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
 }
 
 /// What one pod holds on the node, as vcuda-manager allocated it.
@@ -323,6 +348,7 @@ mod tests {
                 },
             ],
             pods: vec![],
+            lease: None,
         }
     }
 
@@ -394,6 +420,35 @@ mod tests {
         );
         assert_eq!(g.compute_capability(), (7, 5));
         assert_eq!(g.link_to(0), Link::System, "unlisted peer");
+    }
+
+    #[test]
+    fn the_lease_is_pinned_and_optional() {
+        let mut inv = inventory();
+        let without = serde_json::to_string(&inv).unwrap();
+        assert!(!without.contains("lease"), "{without}");
+        assert_eq!(
+            serde_json::from_str::<NodeInventory>(&without)
+                .unwrap()
+                .lease,
+            None,
+            "an older writer's inventory has no lease"
+        );
+        inv.lease = Some(LeaseRef {
+            namespace: "vcuda-system".into(),
+            name: "vcuda-manager-n1".into(),
+            duration_seconds: 40,
+        });
+        let json = serde_json::to_string(&inv).unwrap();
+        assert!(
+            json.ends_with(r#""lease":{"namespace":"vcuda-system","name":"vcuda-manager-n1","durationSeconds":40}}"#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<NodeInventory>(&json).unwrap(), inv);
+        assert_eq!(
+            inv.lease.unwrap().to_string(),
+            "vcuda-system/vcuda-manager-n1"
+        );
     }
 
     #[test]

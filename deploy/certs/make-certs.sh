@@ -17,7 +17,7 @@
 #                         Service's names vcuda-scheduler.vcuda-system.svc,
 #                         vcuda-scheduler.vcuda-system.svc.cluster.local and vcuda-scheduler.
 #                         These two and ca.crt go into the Secret vcuda-scheduler-tls that
-#                         deploy/vcuda-scheduler.yaml mounts (--tls-cert, --tls-key,
+#                         deploy/base/scheduler/vcuda-scheduler.yaml mounts (--tls-cert, --tls-key,
 #                         --client-ca).
 #   client.crt, client.key
 #                         kube-scheduler's client certificate (CN system:kube-scheduler,
@@ -55,7 +55,7 @@ certificate of kube-scheduler (mutual TLS between them), with openssl, into DIR:
   client.crt client.key  kube-scheduler's client certificate (CN ${CLIENT_CN})
 
 Then prints the kubectl command that creates the Secret ${NAMESPACE}/${SECRET}
-(tls.crt, tls.key, ca.crt) that deploy/vcuda-scheduler.yaml mounts, and where
+(tls.crt, tls.key, ca.crt) that deploy/base/scheduler/vcuda-scheduler.yaml mounts, and where
 kube-scheduler's files go (${KUBE_SCHEDULER_DIR}/ on every control-plane node).
 
 Options:

@@ -23,6 +23,7 @@ use vcuda_cluster::{Reservations, RESERVATIONS_ANNOTATION};
 
 use crate::settings::{ApiMode, Settings};
 use vcuda_manager_core::assign::{self, PodFacts};
+use vcuda_manager_core::lease::Holder;
 
 /// The API server cannot be used or did not answer. Each names the object (node, pod,
 /// kubeconfig) and, where the fix is the operator's, what to change.
@@ -58,7 +59,7 @@ pub enum ApiError {
         name: String,
         source: kube::Error,
     },
-    #[error("cannot write node {node}'s annotations: {source}; the manager needs get and patch on its Node (see deploy/vcuda-manager.yaml)")]
+    #[error("cannot write node {node}'s annotations: {source}; the manager needs get and patch on its Node (see deploy/base/manager-api/vcuda-manager-rbac.yaml)")]
     WriteNode { node: String, source: kube::Error },
 }
 
@@ -86,6 +87,9 @@ pub struct ApiServer {
     client: kube::Client,
     pub node: String,
     domain: String,
+    /// The node Lease this start of the manager keeps ([`crate::lease`]); the inventory
+    /// names it.
+    pub holder: Holder,
 }
 
 impl std::fmt::Debug for ApiServer {
@@ -134,10 +138,23 @@ pub async fn connect(settings: &Settings) -> Result<Option<ApiServer>, ApiError>
                 kube::Client::try_from(cfg).map_err(ApiError::Client)?
             }
         };
+        // Random per start: a restarted manager is a new holder (the scheduler sees the
+        // Lease change at once). Without randomness, the time is unique enough.
+        let instance = getrandom::u64().unwrap_or_else(|_| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        });
         Ok(ApiServer {
             client,
             node: settings.node_name.clone(),
             domain: settings.domain.clone(),
+            holder: Holder::new(
+                &settings.lease_namespace,
+                &settings.node_name,
+                settings.lease_duration_seconds,
+                instance,
+            ),
         })
     };
     match made.await {
@@ -154,6 +171,11 @@ pub async fn connect(settings: &Settings) -> Result<Option<ApiServer>, ApiError>
 }
 
 impl ApiServer {
+    /// The client (for [`crate::lease`]).
+    pub fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
     /// The pods bound to this node.
     pub async fn node_pods(&self) -> Result<Vec<PodFacts>, ApiError> {
         let lp = ListParams::default().fields(&format!("spec.nodeName={}", self.node));

@@ -555,7 +555,11 @@ impl Core {
             })?;
         let alloc = &self.allocs[&id];
         let same = alloc.owned_by(&held);
-        // Configured before: checked then. Otherwise the devices must agree with the decision.
+        // Configured before: checked then. Otherwise the devices must agree with the decision,
+        // and a decision that could not be had refuses the container.
+        if let (Decision::Unverified(e), false) = (&assigned, same) {
+            return Err(e.clone().into());
+        }
         if let (Some(p), false) = (pod, same) {
             match assigned {
                 Decision::None => {}
@@ -563,7 +567,7 @@ impl Core {
                     let memory = parse_ids(Kind::Memory, &held.memory)?;
                     check_assignment(p, &held.container, &shares, &actual_shape(alloc, &memory))?;
                 }
-                Decision::Unreadable(e) => {
+                Decision::Unreadable(e) | Decision::Unverified(e) => {
                     parse_ids(Kind::Memory, &held.memory)?; // a malformed memory ID is told first
                     return Err(e.into());
                 }
@@ -1049,6 +1053,44 @@ pub(crate) mod tests {
         assert!(std::fs::read_to_string(c.layout.config_file(&seen[0]))
             .unwrap()
             .contains("core_limit = 60"));
+    }
+
+    /// A node cut off from the API server (issue 18): a new container whose pod cannot be
+    /// read is refused with the reason; one configured before starts as it was checked.
+    #[test]
+    fn a_container_whose_pod_cannot_be_read_starts_only_if_configured_before() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = core(d.path());
+        let cores = ids(U0, Kind::Core, 0, 30);
+        let mem = ids(U0, Kind::Memory, 0, 16);
+        c.allocate(Kind::Core, &cores).unwrap();
+        c.allocate(Kind::Memory, &mem).unwrap();
+        let unverified = || {
+            Decision::Unverified(AssignError::Unverified {
+                pod: "ns/p".into(),
+                container: "c".into(),
+                error: "connection refused".into(),
+            })
+        };
+        let start = |c: &mut Core, assigned| {
+            c.pre_start_with(PreStart {
+                kind: Kind::Core,
+                ids: &cores,
+                held: held("p", cores.clone(), mem.clone()),
+                pod_uid: None,
+                pod: None,
+                assigned,
+            })
+        };
+        let e = start(&mut c, unverified()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("ns/p container c: the API server cannot be reached")
+                && e.to_string().contains("connection refused"),
+            "{e}"
+        );
+        let id = start(&mut c, Decision::None).unwrap();
+        assert_eq!(start(&mut c, unverified()).unwrap(), id, "a restart starts");
     }
 
     #[test]

@@ -159,15 +159,24 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
     });
     tokio::spawn(shared.clone().prefetch());
     if let Some(api) = api {
+        tokio::spawn(crate::lease::keep_alive(api.clone()));
         tokio::spawn(crate::publisher::publish_loop(api, shared.clone()));
     }
+    let registered = Arc::new(crate::metrics::Registered::new(
+        [Kind::Core, Kind::Memory].map(|k| k.resource(&settings.domain)),
+    ));
     if let Some(addr) = settings.metrics_address {
-        let bound = crate::metrics::serve(addr, shared.view.clone(), settings.node_name.clone())
-            .await
-            .map_err(|source| DaemonError::Metrics {
-                address: addr,
-                source,
-            })?;
+        let bound = crate::metrics::serve(
+            addr,
+            shared.view.clone(),
+            registered.clone(),
+            settings.node_name.clone(),
+        )
+        .await
+        .map_err(|source| DaemonError::Metrics {
+            address: addr,
+            source,
+        })?;
         info!(%bound, "metrics at http://{bound}/metrics");
     }
 
@@ -216,7 +225,7 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
         let plugins = Plugins::start(&settings, &shared).await?;
         let cycle = async {
             let started = Instant::now();
-            if let Err(why) = register_all(&settings).await {
+            if let Err(why) = register_all(&settings, &registered).await {
                 return why.to_string();
             }
             info!(
@@ -229,6 +238,8 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
             why = cycle => Some(why),
             _ = &mut shutdown => None,
         };
+        // Serving afresh (or stopping): nothing counts as registered until the next Register.
+        registered.lost();
         plugins.stop().await;
         let Some(why) = outcome else {
             info!("shutting down");
@@ -372,7 +383,10 @@ impl Plugins {
 /// Register both resources; retry (with back-off, logging) until the kubelet accepts. Gives
 /// up (to serve afresh) if one of our sockets is gone meanwhile: the kubelet could never
 /// dial it back.
-async fn register_all(settings: &Settings) -> Result<(), RegisterError> {
+async fn register_all(
+    settings: &Settings,
+    registered: &crate::metrics::Registered,
+) -> Result<(), RegisterError> {
     for kind in [Kind::Core, Kind::Memory] {
         let mut delay = Duration::from_millis(50);
         loop {
@@ -381,7 +395,10 @@ async fn register_all(settings: &Settings) -> Result<(), RegisterError> {
                 return Err(RegisterError::SocketGone { path: ours });
             }
             match register(settings, kind).await {
-                Ok(()) => break,
+                Ok(()) => {
+                    registered.accepted(&kind.resource(&settings.domain));
+                    break;
+                }
                 Err(e) => {
                     warn!(resource = %kind.resource(&settings.domain), error = %e, kind = e.kind(), "registration failed; retrying");
                     tokio::time::sleep(delay).await;

@@ -3,6 +3,7 @@
 //! (the decisions are `vcuda_manager_core::assign`'s; this is the reading).
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use tracing::{info, warn};
 use vcuda_proto::deviceplugin::v1beta1 as dp;
@@ -12,11 +13,15 @@ use crate::podresources::PodResourcesError;
 use crate::state::Shared;
 use vcuda_cluster::GpuShare;
 use vcuda_manager_core::allocation::Holdings;
-use vcuda_manager_core::assign::{self, Decision, Holds, PodFacts};
+use vcuda_manager_core::assign::{self, AssignError, Decision, Holds, PodFacts};
 use vcuda_manager_core::ids::{ContainerRef, DeviceId, Kind};
 
 /// The GPUs (UUIDs, in PodResources' order) each container's resource is on.
 pub type GpusOf = HashMap<(ContainerRef, Kind), Vec<String>>;
+
+/// How long a kubelet call waits for the API server (the kubelet gives a PreStartContainer
+/// 30 s): a node cut off from it answers within this, refusing what it cannot check.
+const API_DEADLINE: Duration = Duration::from_secs(5);
 
 impl Shared {
     /// With the API server: for each container of a GetPreferredAllocation, the GPUs the
@@ -31,10 +36,16 @@ impl Shared {
     ) -> Vec<Option<Vec<(String, usize)>>> {
         let none = vec![None; requests.len()];
         let node = self.core.lock().inventory.node.clone();
-        let (pods, reservations) = match api.vouched_pods().await {
-            Ok(c) => c,
-            Err(e) => {
+        let (pods, reservations) = match tokio::time::timeout(API_DEADLINE, api.vouched_pods())
+            .await
+        {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
                 warn!(error = %e, "GetPreferredAllocation without the scheduler's assignments");
+                return none;
+            }
+            Err(_) => {
+                warn!(deadline_s = API_DEADLINE.as_secs(), "GetPreferredAllocation without the scheduler's assignments: the API server did not answer in time");
                 return none;
             }
         };
@@ -139,11 +150,21 @@ impl Shared {
     /// decision becomes what it holds, the other pod's becomes this one's, and the publisher
     /// writes the exchange into the Node's reservations.
     pub async fn follow(&self, api: &ApiServer, held: &Holdings) -> (Option<PodFacts>, Decision) {
-        let (pod, reservations) = match api.vouched_pod(&held.namespace, &held.pod).await {
-            Ok(c) => c,
-            Err(e) => {
-                warn!(error = %e, "PreStartContainer without the pod's annotations (assignment and gpu-count not checked)");
-                return (None, Decision::None);
+        let read = tokio::time::timeout(API_DEADLINE, api.vouched_pod(&held.namespace, &held.pod));
+        let (pod, reservations) = match read.await {
+            Ok(Ok(c)) => c,
+            failed => {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("no answer within {} s", API_DEADLINE.as_secs()),
+                };
+                warn!(%error, "PreStartContainer cannot read the pod from the API server: only a container configured before starts");
+                let unverified = AssignError::Unverified {
+                    pod: format!("{}/{}", held.namespace, held.pod),
+                    container: held.container.clone(),
+                    error,
+                };
+                return (None, Decision::Unverified(unverified));
             }
         };
         let Some(pod) = pod else {

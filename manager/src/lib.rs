@@ -4,6 +4,8 @@
 //! `vcuda_manager_core`, which depends on nothing that does I/O. Modules here:
 //! - [`apiserver`]: the API server client (kube-rs);
 //! - [`publisher`]: the task that publishes the node's GPUs on its Node;
+//! - [`lease`]: the task that renews the node's Lease (the scheduler's proof the node is
+//!   alive);
 //! - [`settings`]: the settings file and flags;
 //! - [`baseline`]: whether the library it mounts loads in old images (glibc baseline; pure);
 //! - [`gpus`]: NVML inventory, topology, XID health, process samples;
@@ -35,6 +37,7 @@ pub mod files;
 pub mod follow;
 pub mod gpus;
 pub mod journal;
+pub mod lease;
 pub mod lookup;
 pub mod metrics;
 pub mod plugin;

@@ -4,9 +4,12 @@
 //! The control loop replaces one [`View`] every round (the same view `vcuda-smi` shows); a
 //! scrape encodes the view it finds. A container's series exist exactly while its
 //! allocation does (no stale series after it is gone, none half-updated during a round).
+//! Whether the kubelet accepted each resource's registration ([`Registered`]) is set by the
+//! daemon's registration cycle and shown as `vcuda_kubelet_registered`.
 //! Every metric, its labels and unit are listed in `manager/README.md`; gpu-manager's four
 //! metric names are served too, with its labels, so existing dashboards keep working.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -22,6 +25,50 @@ use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, View};
 struct GpuLabels {
     gpu: String,
     uuid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResourceLabels {
+    resource: String,
+}
+
+/// Whether the kubelet accepted each resource's Register: `false` from the start, `true`
+/// once a Register returned, `false` again while the daemon serves afresh after the
+/// kubelet restarted (or a socket of ours vanished), until the next Register succeeds.
+#[derive(Debug, Default)]
+pub struct Registered {
+    resources: parking_lot::Mutex<BTreeMap<String, bool>>,
+}
+
+impl Registered {
+    /// These resources (full names, e.g. `tencent.com/vcuda-core`), none registered yet.
+    pub fn new(resources: impl IntoIterator<Item = String>) -> Registered {
+        Registered {
+            resources: parking_lot::Mutex::new(resources.into_iter().map(|r| (r, false)).collect()),
+        }
+    }
+
+    /// The kubelet accepted `resource`'s Register.
+    pub fn accepted(&self, resource: &str) {
+        self.resources.lock().insert(resource.to_string(), true);
+    }
+
+    /// The kubelet restarted (or our socket is gone): nothing is registered until the next
+    /// Register.
+    pub fn lost(&self) {
+        for v in self.resources.lock().values_mut() {
+            *v = false;
+        }
+    }
+
+    /// Each resource and whether it is registered, by name.
+    pub fn snapshot(&self) -> Vec<(String, bool)> {
+        self.resources
+            .lock()
+            .iter()
+            .map(|(r, v)| (r.clone(), *v))
+            .collect()
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -102,10 +149,12 @@ fn int(v: u64) -> i64 {
 
 const MIB: f64 = (1u64 << 20) as f64;
 
-/// The OpenMetrics text of `v` (pure). `node` labels gpu-manager's metrics.
-pub fn encode(v: &View, node: &str) -> String {
+/// The OpenMetrics text of `v` and of the kubelet registrations (`registered`: resource,
+/// accepted) (pure). `node` labels gpu-manager's metrics.
+pub fn encode(v: &View, node: &str, registered: &[(String, bool)]) -> String {
     let mut root = Registry::default();
     let r = root.sub_registry_with_prefix("vcuda");
+    kubelet_registered(r, registered);
     gpu_families(r, v);
     container_gauges(r, v);
     container_counters(r, v);
@@ -115,6 +164,22 @@ pub fn encode(v: &View, node: &str) -> String {
         out.push_str("# EOF\n");
     }
     out
+}
+
+/// `vcuda_kubelet_registered`: one series per resource.
+fn kubelet_registered(r: &mut Registry, registered: &[(String, bool)]) {
+    let f = family::<Gauge, ResourceLabels>(
+        r,
+        "kubelet_registered",
+        "1 once the kubelet accepted the device plugin's registration for the resource, 0 before and while registering again after a kubelet restart",
+        None,
+    );
+    for (resource, yes) in registered {
+        let l = ResourceLabels {
+            resource: resource.clone(),
+        };
+        f.get_or_create(&l).set(i64::from(*yes));
+    }
 }
 
 /// `vcuda_gpu_*`: one series per GPU.
@@ -424,6 +489,7 @@ fn compat_families(r: &mut Registry, v: &View, node: &str) {
 pub async fn serve(
     addr: SocketAddr,
     view: Arc<parking_lot::Mutex<View>>,
+    registered: Arc<Registered>,
     node: String,
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
@@ -431,7 +497,8 @@ pub async fn serve(
     let app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
-            let text = encode(&view.lock(), &node);
+            let registered = registered.snapshot();
+            let text = encode(&view.lock(), &node, &registered);
             async move {
                 (
                     [(
@@ -494,6 +561,15 @@ mod tests {
                 processes: vec![],
             }],
         }
+    }
+
+    /// vcuda-core registered, vcuda-memory not (yet, or again).
+    fn registrations() -> Vec<(String, bool)> {
+        let r = Registered::new(
+            ["tencent.com/vcuda-core", "tencent.com/vcuda-memory"].map(String::from),
+        );
+        r.accepted("tencent.com/vcuda-core");
+        r.snapshot()
     }
 
     /// Two GPUs (one without a utilization sample) and two containers (one split over both
@@ -594,6 +670,10 @@ container_request_gpu_utilization{namespace="web",pod_name="serve-0",container_n
 # TYPE container_request_gpu_memory gauge
 container_request_gpu_memory{namespace="ml",pod_name="train",container_name="main",node="node-1",req_of_gpu_memory="total"} 6144.0
 container_request_gpu_memory{namespace="web",pod_name="serve-0",container_name="infer",node="node-1",req_of_gpu_memory="total"} 3072.0
+# HELP vcuda_kubelet_registered 1 once the kubelet accepted the device plugin's registration for the resource, 0 before and while registering again after a kubelet restart.
+# TYPE vcuda_kubelet_registered gauge
+vcuda_kubelet_registered{resource="tencent.com/vcuda-core"} 1
+vcuda_kubelet_registered{resource="tencent.com/vcuda-memory"} 0
 # HELP vcuda_gpu_memory_bytes Device memory of the GPU.
 # TYPE vcuda_gpu_memory_bytes gauge
 # UNIT vcuda_gpu_memory_bytes bytes
@@ -683,14 +763,14 @@ vcuda_watchdog_violations_total{namespace="web",pod="serve-0",container="infer",
 
     #[test]
     fn the_whole_text_is_pinned() {
-        let text = encode(&two_by_two(), "node-1");
+        let text = encode(&two_by_two(), "node-1", &registrations());
         assert!(text.ends_with("# EOF\n"), "{text}");
         assert_eq!(canonical(&text), canonical(TWO_BY_TWO), "{text}");
     }
 
     #[test]
     fn every_metric_is_named_labelled_and_valued() {
-        let text = encode(&view(), "node-1");
+        let text = encode(&view(), "node-1", &registrations());
         let c = r#"{namespace="ml",pod="train",container="main",gpu="0",uuid="GPU-a"}"#;
         let g = r#"{gpu="0",uuid="GPU-a"}"#;
         let compat = r#"namespace="ml",pod_name="train",container_name="main",node="node-1""#;
@@ -717,6 +797,8 @@ vcuda_watchdog_violations_total{namespace="web",pod="serve-0",container="infer",
             format!(r#"container_gpu_memory_total{{{compat},gpu_memory="total"}} 1024.0"#),
             format!(r#"container_request_gpu_utilization{{{compat},req_of_gpu="total"}} 0.3"#),
             format!(r#"container_request_gpu_memory{{{compat},req_of_gpu_memory="total"}} 4096.0"#),
+            r#"vcuda_kubelet_registered{resource="tencent.com/vcuda-core"} 1"#.to_string(),
+            r#"vcuda_kubelet_registered{resource="tencent.com/vcuda-memory"} 0"#.to_string(),
         ] {
             assert!(
                 text.lines().any(|l| l == line),
@@ -728,10 +810,42 @@ vcuda_watchdog_violations_total{namespace="web",pod="serve-0",container="infer",
     }
 
     #[test]
+    fn a_registration_is_lost_until_the_next_register() {
+        let r = Registered::new(["d/vcuda-core", "d/vcuda-memory"].map(String::from));
+        let line = |r: &Registered, res: &str| {
+            let text = encode(&view(), "n", &r.snapshot());
+            let prefix = format!("vcuda_kubelet_registered{{resource=\"{res}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix).map(str::to_string))
+                .unwrap_or_else(|| panic!("no series for {res} in\n{text}"))
+        };
+        assert_eq!(
+            (line(&r, "d/vcuda-core"), line(&r, "d/vcuda-memory")),
+            ("0".into(), "0".into())
+        );
+        r.accepted("d/vcuda-core");
+        r.accepted("d/vcuda-memory");
+        assert_eq!(
+            (line(&r, "d/vcuda-core"), line(&r, "d/vcuda-memory")),
+            ("1".into(), "1".into())
+        );
+        r.lost();
+        assert_eq!(
+            (line(&r, "d/vcuda-core"), line(&r, "d/vcuda-memory")),
+            ("0".into(), "0".into())
+        );
+        r.accepted("d/vcuda-memory");
+        assert_eq!(
+            (line(&r, "d/vcuda-core"), line(&r, "d/vcuda-memory")),
+            ("0".into(), "1".into())
+        );
+    }
+
+    #[test]
     fn a_gone_container_has_no_series() {
         let mut v = view();
         v.containers.clear();
-        let text = encode(&v, "n");
+        let text = encode(&v, "n", &[]);
         assert!(!text.contains("train"));
     }
 }

@@ -133,7 +133,9 @@ async fn publish_once(api: &ApiServer, shared: &Shared, down: bool) -> Result<bo
         })
         .cloned()
         .collect();
-    let inv = assign::node_inventory(&inventory, &health, &counted, &pods);
+    let mut inv = assign::node_inventory(&inventory, &health, &counted, &pods);
+    // The Lease the scheduler checks this node's liveness by (crate::lease renews it).
+    inv.lease = Some(api.holder.lease.clone());
     let inv_json = serde_json::to_string(&inv).map_err(|source| PublishError::Encode {
         annotation: INVENTORY_ANNOTATION,
         source,

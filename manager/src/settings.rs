@@ -190,6 +190,17 @@ layer! {
         /// containerd and CRI-O scan, host-only [default: /var/run/cdi].
         #[arg(long, value_name = "DIR")]
         pub cdi_spec_dir: Option<PathBuf>,
+        /// Namespace of the Lease (`coordination.k8s.io/v1`, `vcuda-manager-<node>`) the
+        /// manager renews while it runs with the API server, so the scheduler stops placing
+        /// pods on a node that died or lost the API server [default: $POD_NAMESPACE, else
+        /// vcuda-system].
+        #[arg(long, value_name = "NAMESPACE")]
+        pub lease_namespace: Option<String>,
+        /// How long one renewal of the Lease counts (renewed every quarter of it): a node
+        /// whose Lease the scheduler has seen unchanged for longer is refused pods. Whole
+        /// seconds: 40s, 1m, 3 (bare number: seconds) [default: 40s].
+        #[arg(long, value_name = "DURATION")]
+        pub lease_duration: Option<String>,
     }
 }
 
@@ -269,6 +280,10 @@ pub struct Settings {
     pub node_name: String,
     pub cdi: CdiMode,
     pub cdi_spec_dir: PathBuf,
+    /// The Lease's namespace (`--lease-namespace`).
+    pub lease_namespace: String,
+    /// How long one renewal counts, seconds (`--lease-duration`).
+    pub lease_duration_seconds: u32,
 }
 
 /// A setting the manager cannot start with. Each names the flag (or the file's line) and
@@ -314,6 +329,10 @@ pub enum SettingsError {
         "--cdi {value:?}: expected auto (CDI when --cdi-spec-dir exists at start-up), on or off"
     )]
     Cdi { value: String },
+    #[error("--lease-duration {value:?}: expected whole seconds from 1s to 1h, e.g. 40s, 1m or 3")]
+    LeaseDuration { value: String },
+    #[error("--lease-namespace {value:?}: expected a namespace name (lowercase letters, digits, '-'; at most 63)")]
+    LeaseNamespace { value: String },
 }
 
 impl SettingsError {
@@ -330,6 +349,8 @@ impl SettingsError {
             SettingsError::MetricsAddress { .. } => "metrics-address",
             SettingsError::Api { .. } => "api",
             SettingsError::Cdi { .. } => "cdi",
+            SettingsError::LeaseDuration { .. } => "lease-duration",
+            SettingsError::LeaseNamespace { .. } => "lease-namespace",
         }
     }
 }
@@ -450,6 +471,21 @@ impl Settings {
                 }
             },
             cdi_spec_dir: given.cdi_spec_dir.unwrap_or_else(|| "/var/run/cdi".into()),
+            lease_namespace: match given
+                .lease_namespace
+                .or_else(|| std::env::var("POD_NAMESPACE").ok())
+                .filter(|n| !n.is_empty())
+            {
+                None => vcuda_manager_core::lease::DEFAULT_NAMESPACE.to_string(),
+                Some(n) if is_namespace_name(&n) => n,
+                Some(value) => return Err(SettingsError::LeaseNamespace { value }),
+            },
+            lease_duration_seconds: match given.lease_duration {
+                None => vcuda_manager_core::lease::DEFAULT_DURATION_SECONDS,
+                Some(v) => {
+                    parse_lease_duration(&v).ok_or(SettingsError::LeaseDuration { value: v })?
+                }
+            },
         })
     }
 
@@ -463,6 +499,35 @@ impl Settings {
     pub fn query_socket_path(&self) -> PathBuf {
         self.run_dir.join(QUERY_SOCKET_NAME)
     }
+}
+
+/// A namespace's name: an RFC 1123 label.
+fn is_namespace_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 63
+        && n.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !n.starts_with('-')
+        && !n.ends_with('-')
+}
+
+/// `--lease-duration`: `N`, `Ns` or `Nm` (whole seconds, 1 s ..= 1 h), in seconds.
+pub fn parse_lease_duration(text: &str) -> Option<u32> {
+    let t = text.trim();
+    let (digits, per) = if let Some(n) = t.strip_suffix('m') {
+        (n, 60)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1)
+    } else {
+        (t, 1)
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let secs = digits.parse::<u32>().ok()?.checked_mul(per)?;
+    (1..=vcuda_manager_core::lease::MAX_DURATION_SECONDS)
+        .contains(&secs)
+        .then_some(secs)
 }
 
 fn read_file(p: &Path) -> Result<Layer, SettingsError> {
@@ -510,7 +575,7 @@ mod tests {
     #[test]
     fn the_shipped_configmap_is_read_and_enforces_the_watchdog() {
         let manifest = std::fs::read_to_string(
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/vcuda-manager.yaml"),
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/manager/vcuda-manager.yaml"),
         )
         .unwrap();
         let (_, rest) = manifest.split_once("manager.toml: |\n").unwrap();
@@ -724,6 +789,8 @@ mod tests {
         ("node_name", "\"n1\"", &["n1"], "\"n2\""),
         ("cdi", "\"on\"", &["on"], "\"off\""),
         ("cdi_spec_dir", "\"/a\"", &["/a"], "\"/b\""),
+        ("lease_namespace", "\"a\"", &["a"], "\"b\""),
+        ("lease_duration", "\"3s\"", &["3s"], "\"1m\""),
     ];
 
     /// The keys the flags accept: their long names with underscores (`--config` aside).
@@ -769,7 +836,7 @@ mod tests {
     #[test]
     fn the_file_and_the_flags_take_the_same_keys() {
         let flags = flag_keys();
-        assert_eq!(flags.len(), 23, "{flags:?}");
+        assert_eq!(flags.len(), 25, "{flags:?}");
         assert_eq!(file_keys(), flags);
         let table: BTreeSet<String> = EVERY_KEY.iter().map(|r| r.0.to_string()).collect();
         assert_eq!(table, flags, "EVERY_KEY needs a row per key");
@@ -815,6 +882,24 @@ mod tests {
             let both = load(Some(format!("{key} = {y}\n")), Some((key, x_flag)));
             assert_eq!(both, flag_x, "{key}: the flag did not win over the file");
         }
+    }
+
+    #[test]
+    fn lease_durations_are_whole_seconds_and_namespaces_names() {
+        assert_eq!(parse_lease_duration("40s"), Some(40));
+        assert_eq!(parse_lease_duration("3"), Some(3));
+        assert_eq!(parse_lease_duration("1m"), Some(60));
+        for bad in ["", "0s", "250ms", "1.5s", "-3s", "2h", "61m", "s", "x"] {
+            assert_eq!(parse_lease_duration(bad), None, "{bad}");
+            let flags = Flags::parse_from(["m".to_string(), format!("--lease-duration={bad}")]);
+            let e = Settings::load(&flags).unwrap_err();
+            assert_eq!(e.kind(), "lease-duration", "{bad}");
+            assert!(e.to_string().contains("e.g. 40s"), "{e}");
+        }
+        let flags = Flags::parse_from(["m", "--lease-namespace", "Vcuda_System"]);
+        let e = Settings::load(&flags).unwrap_err();
+        assert_eq!(e.kind(), "lease-namespace");
+        assert!(e.to_string().contains("Vcuda_System"), "{e}");
     }
 
     /// A `[default: V]` in a flag's help is the default: giving `--flag V` changes nothing.

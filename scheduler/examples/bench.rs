@@ -45,6 +45,7 @@ fn node(rng: &mut Rng, id: usize, gpus: u32) -> NodeView {
         schema: SCHEMA,
         gpus: Vec::new(),
         pods: Vec::new(),
+        lease: None,
     };
     for i in 0..gpus {
         let mem = mem_gib * GIB;

@@ -113,6 +113,31 @@ pub enum AdmissionError {
 }
 
 impl AdmissionError {
+    /// Every [`AdmissionError::kind`] (a refusal's is [`QuotaRefusal::kind`]).
+    pub const KINDS: &'static [&'static str] = &[
+        "quota_config",
+        "not_in_pool",
+        "no_quota_for_model",
+        "over_quota",
+        "quota_list_pods",
+        "quota_list_nodes",
+        "quota_contended",
+        "quota_write",
+    ];
+
+    /// A short stable snake_case name of the error (a metric's `reason` label); a refusal
+    /// by the pool or the quota is named by its [`QuotaRefusal::kind`].
+    pub fn kind(&self) -> &'static str {
+        match self {
+            AdmissionError::Config(_) => "quota_config",
+            AdmissionError::Refused { refusal, .. } => refusal.kind(),
+            AdmissionError::ListPods { .. } => "quota_list_pods",
+            AdmissionError::ListNodes { .. } => "quota_list_nodes",
+            AdmissionError::Contended { .. } => "quota_contended",
+            AdmissionError::Write { .. } => "quota_write",
+        }
+    }
+
     /// True when no node can help (a configuration problem, or a refusal that says so).
     pub fn unresolvable(&self) -> bool {
         match self {

@@ -108,6 +108,56 @@ pub enum BindError {
     Internal(String),
 }
 
+impl BindError {
+    /// Every [`BindError::kind`]: its own, and those of the errors it carries
+    /// ([`AdmissionError::kind`], [`Ineligible::kind`]).
+    pub const KINDS: &'static [&'static str] = &[
+        "api_read",
+        "pod_recreated",
+        "already_bound",
+        "no_fit",
+        "invalid_request",
+        "node_contended",
+        "reserve_failed",
+        "binding_failed",
+        "quota_config",
+        "not_in_pool",
+        "no_quota_for_model",
+        "over_quota",
+        "quota_list_pods",
+        "quota_list_nodes",
+        "quota_contended",
+        "quota_write",
+        "claim_late",
+        "scheduler_name",
+        "cordoned",
+        "untolerated_taint",
+        "node_selector",
+        "node_affinity",
+        "internal",
+    ];
+
+    /// A short stable snake_case name of the refusal: the `reason` label of
+    /// `vcuda_scheduler_bind_refusals_total`. A quota or eligibility refusal is named by the
+    /// error it carries (`over_quota`, `untolerated_taint`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BindError::Read { .. } => "api_read",
+            BindError::Recreated { .. } => "pod_recreated",
+            BindError::AlreadyBound { .. } => "already_bound",
+            BindError::NoFit { .. } => "no_fit",
+            BindError::Request { .. } => "invalid_request",
+            BindError::Contended { .. } => "node_contended",
+            BindError::Reserve { .. } => "reserve_failed",
+            BindError::Binding { .. } => "binding_failed",
+            BindError::Admission { source, .. } | BindError::Quota { source, .. } => source.kind(),
+            BindError::Late { .. } => "claim_late",
+            BindError::Ineligible(e) => e.kind(),
+            BindError::Internal(_) => "internal",
+        }
+    }
+}
+
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(r) if r.code == 409)
 }
@@ -382,4 +432,240 @@ async fn release(nodes: &Api<KNode>, node: &str, uid: &str, expiry: Expiry) {
         uid,
         "could not release a reservation: the node kept changing"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::quota::QuotaRefusal;
+
+    fn api() -> kube::Error {
+        kube::Error::Api(kube::core::ErrorResponse {
+            status: "Failure".into(),
+            message: "no".into(),
+            reason: "Forbidden".into(),
+            code: 403,
+        })
+    }
+
+    /// One of each refusal, nested ones included. A variant added to an enum without a line
+    /// here fails to compile in `covered`.
+    fn every_refusal() -> Vec<BindError> {
+        let s = String::new;
+        let refusals = [
+            QuotaRefusal::NotInPool {
+                namespace: s(),
+                label: s(),
+                want: s(),
+                have: None,
+            },
+            QuotaRefusal::NoQuotaForModel {
+                namespace: s(),
+                model: s(),
+            },
+            QuotaRefusal::OverQuota {
+                namespace: s(),
+                key: s(),
+                resource: crate::quota::Resource::Core,
+                limit: 1,
+                used: 1,
+                asked: 1,
+            },
+        ];
+        let mut admission: Vec<AdmissionError> = refusals
+            .into_iter()
+            .map(|refusal| AdmissionError::Refused { refusal, cm: s() })
+            .collect();
+        admission.extend([
+            AdmissionError::Config(s()),
+            AdmissionError::ListPods {
+                namespace: s(),
+                source: Box::new(api()),
+            },
+            AdmissionError::ListNodes {
+                namespace: s(),
+                source: Box::new(api()),
+            },
+            AdmissionError::Contended {
+                cm: s(),
+                attempts: 1,
+            },
+            AdmissionError::Write {
+                cm: s(),
+                name: s(),
+                source: Box::new(api()),
+            },
+        ]);
+        let ineligible = [
+            Ineligible::SchedulerName {
+                pod: s(),
+                node: s(),
+                scheduler: s(),
+                served: s(),
+            },
+            Ineligible::Unschedulable {
+                pod: s(),
+                node: s(),
+            },
+            Ineligible::Taint {
+                pod: s(),
+                node: s(),
+                taint: s(),
+            },
+            Ineligible::NodeSelector {
+                pod: s(),
+                node: s(),
+                key: s(),
+                wanted: s(),
+                found: s(),
+            },
+            Ineligible::Affinity {
+                pod: s(),
+                node: s(),
+                reason: s(),
+            },
+        ];
+        let mut out = vec![
+            BindError::Read {
+                what: s(),
+                source: api(),
+            },
+            BindError::Recreated {
+                pod: s(),
+                expected: s(),
+                found: s(),
+            },
+            BindError::AlreadyBound {
+                pod: s(),
+                node: s(),
+            },
+            BindError::NoFit {
+                pod: s(),
+                reason: s(),
+            },
+            BindError::Request {
+                pod: s(),
+                reason: s(),
+            },
+            BindError::Contended {
+                node: s(),
+                attempts: 1,
+            },
+            BindError::Reserve {
+                node: s(),
+                source: api(),
+            },
+            BindError::Binding {
+                pod: s(),
+                node: s(),
+                source: api(),
+            },
+            BindError::Late {
+                pod: s(),
+                age_ms: 1,
+                deadline_s: 1,
+            },
+            BindError::Internal(s()),
+        ];
+        out.extend(ineligible.into_iter().map(BindError::Ineligible));
+        out.extend(admission.into_iter().map(|source| BindError::Quota {
+            pod: s(),
+            node: s(),
+            source,
+        }));
+        out.push(BindError::Admission {
+            pod: s(),
+            source: AdmissionError::Config(s()),
+        });
+        out
+    }
+
+    /// Compiles only while `every_refusal` names each variant of each enum.
+    #[allow(dead_code)]
+    fn covered(b: &BindError, a: &AdmissionError, q: &QuotaRefusal, i: &Ineligible) {
+        match b {
+            BindError::Read { .. }
+            | BindError::Recreated { .. }
+            | BindError::AlreadyBound { .. }
+            | BindError::NoFit { .. }
+            | BindError::Request { .. }
+            | BindError::Contended { .. }
+            | BindError::Reserve { .. }
+            | BindError::Binding { .. }
+            | BindError::Admission { .. }
+            | BindError::Quota { .. }
+            | BindError::Late { .. }
+            | BindError::Ineligible(_)
+            | BindError::Internal(_) => {}
+        }
+        match a {
+            AdmissionError::Config(_)
+            | AdmissionError::Refused { .. }
+            | AdmissionError::ListPods { .. }
+            | AdmissionError::ListNodes { .. }
+            | AdmissionError::Contended { .. }
+            | AdmissionError::Write { .. } => {}
+        }
+        match q {
+            QuotaRefusal::NotInPool { .. }
+            | QuotaRefusal::NoQuotaForModel { .. }
+            | QuotaRefusal::OverQuota { .. } => {}
+        }
+        match i {
+            Ineligible::SchedulerName { .. }
+            | Ineligible::Unschedulable { .. }
+            | Ineligible::Taint { .. }
+            | Ineligible::NodeSelector { .. }
+            | Ineligible::Affinity { .. } => {}
+        }
+    }
+
+    #[test]
+    fn every_refusal_has_its_own_listed_snake_case_kind() {
+        let all = every_refusal();
+        // Admission and Quota carry the same errors: the kind names the error carried.
+        let distinct: BTreeSet<&str> = all
+            .iter()
+            .filter(|e| !matches!(e, BindError::Admission { .. }))
+            .map(BindError::kind)
+            .collect();
+        assert_eq!(
+            distinct.len(),
+            all.len() - 1,
+            "two refusals share a kind: {distinct:?}"
+        );
+        let listed: BTreeSet<&str> = BindError::KINDS.iter().copied().collect();
+        assert_eq!(listed.len(), BindError::KINDS.len(), "KINDS repeats one");
+        let seen: BTreeSet<&str> = all.iter().map(BindError::kind).collect();
+        assert_eq!(
+            seen, listed,
+            "BindError::KINDS is not the kinds refusals have"
+        );
+        for k in &listed {
+            assert!(
+                !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+                "{k} is not snake_case"
+            );
+        }
+        let nested: BTreeSet<&str> = AdmissionError::KINDS
+            .iter()
+            .chain(Ineligible::KINDS)
+            .chain(QuotaRefusal::KINDS)
+            .copied()
+            .collect();
+        assert!(
+            nested.is_subset(&listed),
+            "{nested:?} not all in {listed:?}"
+        );
+        let admission: BTreeSet<&str> = all
+            .iter()
+            .filter_map(|e| match e {
+                BindError::Quota { source, .. } => Some(source.kind()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(admission, AdmissionError::KINDS.iter().copied().collect());
+    }
 }

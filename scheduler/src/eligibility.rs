@@ -72,6 +72,28 @@ pub enum Ineligible {
     },
 }
 
+impl Ineligible {
+    /// Every [`Ineligible::kind`].
+    pub const KINDS: &'static [&'static str] = &[
+        "scheduler_name",
+        "cordoned",
+        "untolerated_taint",
+        "node_selector",
+        "node_affinity",
+    ];
+
+    /// A short stable snake_case name of the refusal (a metric's `reason` label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Ineligible::SchedulerName { .. } => "scheduler_name",
+            Ineligible::Unschedulable { .. } => "cordoned",
+            Ineligible::Taint { .. } => "untolerated_taint",
+            Ineligible::NodeSelector { .. } => "node_selector",
+            Ineligible::Affinity { .. } => "node_affinity",
+        }
+    }
+}
+
 /// Refuse `pod` on `node` when kube-scheduler (running one of `scheduler_names`) would
 /// never place it there; the first reason found is returned.
 pub fn check(pod: &Pod, node: &Node, scheduler_names: &[String]) -> Result<(), Ineligible> {

@@ -13,6 +13,8 @@
 //!   (scheduler name, cordon, taints, nodeSelector, required node affinity): bind refuses
 //!   any other pair, so the extender's binding right cannot place a pod where the
 //!   scheduler would not.
+//! - [`liveness`] — which nodes are lost (their vcuda-manager's Lease unchanged for longer
+//!   than its duration, by this scheduler's clock), and the refusal that says so.
 //!
 //! The schemas shared with vcuda-manager live in `vcuda-cluster`.
 //!
@@ -25,8 +27,12 @@
 //! - [`state`] — what the handlers share: settings, the kube client, the node-list and
 //!   quota-ConfigMap caches, [`state::node_view`]; the bottom I/O layer (`state` below
 //!   `admission` below `bind` below `server`: no import cycle).
+//! - [`leases`] — the Lease watch: lists the managers' Leases every `--lease-poll`, feeds
+//!   the liveness tracker, logs nodes lost (with their pods) and back.
 //! - [`listen`] — the HTTPS listener: kube-scheduler's client certificate required,
-//!   handshake/header/body deadlines, a connection cap.
+//!   handshake/header/body deadlines, a connection cap; and the plain-HTTP `/metrics`
+//!   listener.
+//! - [`metrics`] — the Prometheus registry the handlers count in (no I/O itself).
 
 #![forbid(unsafe_code)]
 
@@ -34,7 +40,10 @@ pub mod admission;
 pub mod bind;
 pub mod eligibility;
 pub mod extender;
+pub mod leases;
 pub mod listen;
+pub mod liveness;
+pub mod metrics;
 pub mod placement;
 pub mod quota;
 pub mod request;

@@ -237,6 +237,27 @@ pub async fn serve(
     }
 }
 
+/// `GET /metrics`: `metrics`' OpenMetrics text. Served with [`serve`] on its own port,
+/// plain HTTP (Prometheus has no client certificate; a scrape cannot reach the verbs), held
+/// to the same deadlines.
+pub fn metrics_router(metrics: Arc<crate::metrics::Metrics>) -> Router {
+    Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let text = metrics.encode();
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        crate::metrics::CONTENT_TYPE,
+                    )],
+                    text,
+                )
+            }
+        }),
+    )
+}
+
 async fn connection<I>(io: TokioIo<I>, app: Router, limits: Limits, peer: SocketAddr)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,

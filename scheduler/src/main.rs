@@ -4,11 +4,14 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{ArgAction, Parser, ValueEnum};
+use vcuda_scheduler::bind::BindError;
 use vcuda_scheduler::listen;
+use vcuda_scheduler::metrics::Metrics;
 use vcuda_scheduler::placement::{Packing, Policy};
 use vcuda_scheduler::server::router;
 use vcuda_scheduler::settings::{parse_duration, ConfigMapRef};
@@ -107,7 +110,34 @@ struct Args {
     /// Connections served at once; more wait until one ends.
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: u32,
+    /// How often the vcuda-manager Leases are listed (node liveness). A node whose
+    /// inventory names a Lease that this scheduler has seen unchanged for longer than its
+    /// duration is lost: filter refuses it, prioritize gives it 0, bind refuses it, and the
+    /// pods bound there are logged. Needs list on leases (coordination.k8s.io) in the
+    /// managers' namespace.
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_ttl)]
+    lease_poll: Duration,
+    /// Serve Prometheus metrics at http://ADDR/metrics: plain HTTP, on a port of its own (the
+    /// extender's stays mutual TLS), or `off` for none.
+    #[arg(long, value_name = "ADDR|off", default_value = "0.0.0.0:9396", value_parser = parse_metrics_address)]
+    metrics_address: MetricsAddress,
 }
+
+/// `--metrics-address`: where to serve `/metrics`, or nowhere.
+#[derive(Debug, Clone, Copy)]
+struct MetricsAddress(Option<SocketAddr>);
+
+fn parse_metrics_address(s: &str) -> Result<MetricsAddress, String> {
+    if s == "off" {
+        return Ok(MetricsAddress(None));
+    }
+    s.parse()
+        .map(|a| MetricsAddress(Some(a)))
+        .map_err(|e| format!("{e}: give HOST:PORT (e.g. 0.0.0.0:9396) or off"))
+}
+
+/// Scrapes served at once on `--metrics-address` (Prometheus scrapes one at a time).
+const METRICS_CONNECTIONS: usize = 16;
 
 fn parse_ttl(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| e.to_string())
@@ -169,24 +199,56 @@ async fn main() -> anyhow::Result<()> {
             src.snapshot(&state.client).await;
         }
     }
-    let app = router(state, &args.url_prefix);
+    let metrics = Arc::new(Metrics::new(BindError::KINDS));
+    tokio::spawn(vcuda_scheduler::leases::watch(
+        state.clone(),
+        args.lease_poll,
+        {
+            let metrics = metrics.clone();
+            move |lost| metrics.set_nodes_lost(lost)
+        },
+    ));
+    let app = router(state, &args.url_prefix, metrics.clone());
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}; choose another --listen", args.listen))?;
     let addr = listener.local_addr()?;
-    tracing::info!(%addr, https = tls.is_some(), policy = ?args.policy, domain = %args.domain,
-        scheduler_names = ?args.scheduler_names,
-        quota_configmap = %args.quota_configmap.as_ref().map_or("-".to_string(), |c| c.to_string()),
-        reservation_ttl = ?args.reservation_ttl, "vcuda-scheduler listening");
-    println!(
-        "{}",
-        serde_json::json!({"ready": true, "listen": addr.to_string(), "https": tls.is_some()})
-    );
     let limits = listen::Limits {
         header_timeout: args.header_timeout,
         body_timeout: args.body_timeout,
         max_connections: args.max_connections as usize,
     };
+    let metrics_addr = match args.metrics_address.0 {
+        None => None,
+        Some(a) => {
+            let l = tokio::net::TcpListener::bind(a).await.with_context(|| {
+                format!("cannot serve metrics on {a}; choose another --metrics-address, or off")
+            })?;
+            let bound = l.local_addr()?;
+            let limits = listen::Limits {
+                max_connections: METRICS_CONNECTIONS,
+                ..limits
+            };
+            tokio::spawn(async move {
+                if let Err(e) =
+                    listen::serve(l, listen::metrics_router(metrics), None, limits).await
+                {
+                    tracing::error!(error = %e, "the metrics endpoint stopped");
+                }
+            });
+            tracing::info!(%bound, "metrics at http://{bound}/metrics");
+            Some(bound.to_string())
+        }
+    };
+    tracing::info!(%addr, https = tls.is_some(), policy = ?args.policy, domain = %args.domain,
+        scheduler_names = ?args.scheduler_names,
+        quota_configmap = %args.quota_configmap.as_ref().map_or("-".to_string(), |c| c.to_string()),
+        reservation_ttl = ?args.reservation_ttl, lease_poll = ?args.lease_poll, "vcuda-scheduler listening");
+    println!(
+        "{}",
+        serde_json::json!({"ready": true, "listen": addr.to_string(), "https": tls.is_some(),
+            "metrics": metrics_addr})
+    );
     listen::serve(listener, app, tls, limits)
         .await
         .context("the HTTP server failed")?;

@@ -373,6 +373,18 @@ pub enum QuotaRefusal {
 }
 
 impl QuotaRefusal {
+    /// Every [`QuotaRefusal::kind`].
+    pub const KINDS: &'static [&'static str] = &["not_in_pool", "no_quota_for_model", "over_quota"];
+
+    /// A short stable snake_case name of the refusal (a metric's `reason` label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            QuotaRefusal::NotInPool { .. } => "not_in_pool",
+            QuotaRefusal::NoQuotaForModel { .. } => "no_quota_for_model",
+            QuotaRefusal::OverQuota { .. } => "over_quota",
+        }
+    }
+
     /// True when no node can help while the configuration stays as it is: the node is
     /// outside the pool, the model has no quota, or the pod alone asks more than the quota.
     /// (Over quota because of other pods is resolvable: they may finish or be preempted.)
@@ -860,6 +872,7 @@ mod tests {
             schema: SCHEMA,
             gpus: vec![gpu(0, "A100"), gpu(1, "A100")],
             pods: vec![],
+            lease: None,
         };
         let v = NodeView::new(&inv, &[]);
         let req = PodRequest {
@@ -953,6 +966,7 @@ mod tests {
                 })
                 .collect(),
             pods,
+            lease: None,
         }
     }
 

@@ -9,13 +9,15 @@
 //! over-commit.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
 
 use crate::admission::{self, AdmissionError, Gate};
@@ -24,19 +26,50 @@ use crate::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, HostPriority,
     HostPriorityList, Node, NodeList, Pod,
 };
+use crate::metrics::Metrics;
 use crate::placement::{self, Choice, Expiry, NodeView};
 use crate::quota::{self, Amount};
 use crate::request::{pod_request, PodRequest};
 use crate::state::{node_view, AppState, NodeMeta, NodeMetas};
 
-/// The router: `<prefix>filter`, `<prefix>prioritize`, `<prefix>bind`.
-pub fn router(state: AppState, url_prefix: &str) -> Router {
+/// The router: `<prefix>filter`, `<prefix>prioritize`, `<prefix>bind`; each request counted
+/// in `metrics`.
+pub fn router(state: AppState, url_prefix: &str, metrics: Arc<Metrics>) -> Router {
     let p = url_prefix.trim_end_matches('/');
     Router::new()
         .route(&format!("{p}/filter"), post(filter_handler))
         .route(&format!("{p}/prioritize"), post(prioritize_handler))
         .route(&format!("{p}/bind"), post(bind_handler))
+        .layer(Extension(metrics))
         .with_state(state)
+}
+
+/// Why filter refused a node: what kube-scheduler reads, whether no node can help, and the
+/// kind counted (`vcuda_scheduler_filter_refusals_total{reason}`).
+#[derive(Debug, Clone)]
+struct Refusal {
+    why: String,
+    unresolvable: bool,
+    kind: &'static str,
+}
+
+impl Refusal {
+    fn new(why: String, unresolvable: bool, kind: &'static str) -> Refusal {
+        Refusal {
+            why,
+            unresolvable,
+            kind,
+        }
+    }
+
+    /// The pool or quota's refusal on node `node` (`None`: on every node).
+    fn admission(e: &AdmissionError, node: Option<&str>) -> Refusal {
+        let why = match node {
+            Some(n) => format!("node {n}: {e}"),
+            None => e.to_string(),
+        };
+        Refusal::new(why, e.unresolvable(), e.kind())
+    }
 }
 
 /// Malformed JSON → 400 with the parser's message.
@@ -83,10 +116,20 @@ fn check(
     name: &str,
     annotations: &BTreeMap<String, String>,
     expiry: Expiry,
-) -> Result<(NodeView, Choice), String> {
-    let view = node_view(name, annotations, expiry)?;
-    let choice =
-        placement::filter(&view, req, &state.policy).map_err(|e| format!("node {name}: {e}"))?;
+) -> Result<(NodeView, Choice), Refusal> {
+    if let Some(why) = state.lost(name, annotations) {
+        return Err(Refusal::new(why, false, "node_lost"));
+    }
+    let view = node_view(name, annotations, expiry).map_err(|why| {
+        let kind = if annotations.contains_key(vcuda_cluster::INVENTORY_ANNOTATION) {
+            "bad_annotations"
+        } else {
+            "no_inventory"
+        };
+        Refusal::new(why, false, kind)
+    })?;
+    let choice = placement::filter(&view, req, &state.policy)
+        .map_err(|e| Refusal::new(format!("node {name}: {e}"), false, "no_fit"))?;
     Ok((view, choice))
 }
 
@@ -95,8 +138,8 @@ enum Admit {
     /// No rule (no `--quota-configmap`, the namespace is unrestricted, or the pod asks for
     /// no vcuda resource).
     Open,
-    /// Every node fails with this reason; `true`: no node can help.
-    Refused(String, bool),
+    /// Every node fails with this reason.
+    Refused(Refusal),
     /// Check each node against the pool and, with `usage`, the quota.
     Rule(Gate, Option<BTreeMap<String, Amount>>),
 }
@@ -113,34 +156,52 @@ async fn admit(state: &AppState, req: &PodRequest, pod: Option<&Pod>, usage: boo
     let gate = match src.gate(&snap, &pod.metadata.namespace) {
         Ok(Some(g)) => g,
         Ok(None) => return Admit::Open,
-        Err(e) => return Admit::Refused(e.to_string(), e.unresolvable()),
+        Err(e) => return Admit::Refused(Refusal::admission(&e, None)),
     };
     if !usage || gate.rule.quota.is_none() {
         return Admit::Rule(gate, None);
     }
     match admission::filter_usage(state, &snap, &gate, &pod.metadata.uid).await {
         Ok(u) => Admit::Rule(gate, Some(u)),
-        Err(e) => Admit::Refused(e.to_string(), e.unresolvable()),
+        Err(e) => Admit::Refused(Refusal::admission(&e, None)),
     }
 }
 
-async fn filter_handler(State(state): State<AppState>, body: Bytes) -> Response {
+async fn filter_handler(
+    State(state): State<AppState>,
+    Extension(metrics): Extension<Arc<Metrics>>,
+    body: Bytes,
+) -> Response {
+    metrics.request("filter");
     let args: ExtenderArgs = match parse("filter", &body) {
         Ok(a) => a,
         Err(r) => return *r,
     };
-    Json(filter(&state, &args).await).into_response()
+    let (out, refused) = filter_counted(&state, &args).await;
+    for kind in refused {
+        metrics.filter_refused(kind);
+    }
+    Json(out).into_response()
 }
 
 /// The filter verb.
 pub async fn filter(state: &AppState, args: &ExtenderArgs) -> ExtenderFilterResult {
+    filter_counted(state, args).await.0
+}
+
+/// The filter verb, and the kind of each node's refusal.
+async fn filter_counted(
+    state: &AppState,
+    args: &ExtenderArgs,
+) -> (ExtenderFilterResult, Vec<&'static str>) {
     let mut out = ExtenderFilterResult::default();
+    let mut refused = Vec::new();
     let req = request_of(state, args.pod.as_ref());
     let nodes = match nodes_of(state, args).await {
         Ok(n) => n,
         Err(e) => {
             out.error = e;
-            return out;
+            return (out, refused);
         }
     };
     let admit = match &req {
@@ -148,33 +209,32 @@ pub async fn filter(state: &AppState, args: &ExtenderArgs) -> ExtenderFilterResu
         Err(_) => Admit::Open,
     };
     let expiry = state.expiry();
-    // Ok, or (reason, no node can help)
-    let verdict = |name: &str, meta: &NodeMeta| -> Result<(), (String, bool)> {
+    let verdict = |name: &str, meta: &NodeMeta| -> Result<(), Refusal> {
         let r = match &req {
-            Err(e) => return Err((e.clone(), true)),
+            Err(e) => return Err(Refusal::new(e.clone(), true, "invalid_request")),
             Ok(r) if r.is_empty() => return Ok(()),
             Ok(r) => r,
         };
-        let refused = |e: AdmissionError| (format!("node {name}: {e}"), e.unresolvable());
+        let refused = |e: AdmissionError| Refusal::admission(&e, Some(name));
         match &admit {
-            Admit::Refused(why, unresolvable) => return Err((why.clone(), *unresolvable)),
+            Admit::Refused(refusal) => return Err(refusal.clone()),
             Admit::Rule(gate, _) => gate.check_pool(&meta.labels).map_err(refused)?,
             Admit::Open => {}
         }
-        let (view, choice) =
-            check(state, r, name, &meta.annotations, expiry).map_err(|e| (e, false))?;
+        let (view, choice) = check(state, r, name, &meta.annotations, expiry)?;
         if let Admit::Rule(gate, Some(usage)) = &admit {
             gate.check_quota(&quota::charges(&view, &choice), usage)
                 .map_err(refused)?;
         }
         Ok(())
     };
-    let mut fail = |name: &str, (why, unresolvable): (String, bool)| {
-        if unresolvable {
+    let mut fail = |name: &str, refusal: Refusal| {
+        refused.push(refusal.kind);
+        if refusal.unresolvable {
             out.failed_and_unresolvable_nodes
-                .insert(name.to_string(), why);
+                .insert(name.to_string(), refusal.why);
         } else {
-            out.failed_nodes.insert(name.to_string(), why);
+            out.failed_nodes.insert(name.to_string(), refusal.why);
         }
     };
     match nodes {
@@ -205,7 +265,7 @@ pub async fn filter(state: &AppState, args: &ExtenderArgs) -> ExtenderFilterResu
                     None => {
                         fail(
                             &name,
-                            (format!("node {name} is not known to the API server (yet); it is retried on the next scheduling cycle"), false),
+                            Refusal::new(format!("node {name} is not known to the API server (yet); it is retried on the next scheduling cycle"), false, "unknown_node"),
                         );
                         continue;
                     }
@@ -222,10 +282,15 @@ pub async fn filter(state: &AppState, args: &ExtenderArgs) -> ExtenderFilterResu
         failed = out.failed_nodes.len() + out.failed_and_unresolvable_nodes.len(),
         "filter"
     );
-    out
+    (out, refused)
 }
 
-async fn prioritize_handler(State(state): State<AppState>, body: Bytes) -> Response {
+async fn prioritize_handler(
+    State(state): State<AppState>,
+    Extension(metrics): Extension<Arc<Metrics>>,
+    body: Bytes,
+) -> Response {
+    metrics.request("prioritize");
     let args: ExtenderArgs = match parse("prioritize", &body) {
         Ok(a) => a,
         Err(r) => return *r,
@@ -253,6 +318,9 @@ pub async fn prioritize(state: &AppState, args: &ExtenderArgs) -> Result<HostPri
             Admit::Refused(..) => return 0,
             Admit::Rule(gate, _) if gate.check_pool(&meta.labels).is_err() => return 0,
             _ => {}
+        }
+        if state.lost(name, &meta.annotations).is_some() {
+            return 0;
         }
         match node_view(name, &meta.annotations, expiry) {
             Ok(view) => placement::score(&view, r, &state.policy),
@@ -287,15 +355,40 @@ pub async fn prioritize(state: &AppState, args: &ExtenderArgs) -> Result<HostPri
     Ok(list)
 }
 
-async fn bind_handler(State(state): State<AppState>, body: Bytes) -> Response {
+async fn bind_handler(
+    State(state): State<AppState>,
+    Extension(metrics): Extension<Arc<Metrics>>,
+    body: Bytes,
+) -> Response {
+    metrics.request("bind");
     let args: ExtenderBindingArgs = match parse("bind", &body) {
         Ok(a) => a,
         Err(r) => return *r,
     };
-    let error = match bind::bind(&state, &args).await {
+    let started = Instant::now();
+    // A node lost since filter gets no pod (checked on the node list, ≤ 2 s old).
+    if let Ok(metas) = state.node_metas(false).await {
+        if let Some(why) = metas
+            .get(&args.node)
+            .and_then(|m| state.lost(&args.node, &m.annotations))
+        {
+            metrics.bind_done(started.elapsed().as_secs_f64(), Err("node_lost"));
+            tracing::info!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), node = %args.node, error = %why, "bind refused");
+            return Json(ExtenderBindingResult { error: why }).into_response();
+        }
+    }
+    let outcome = bind::bind(&state, &args).await;
+    metrics.bind_done(
+        started.elapsed().as_secs_f64(),
+        outcome.as_ref().map(|_| ()).map_err(bind::BindError::kind),
+    );
+    let error = match outcome {
         Ok(()) => String::new(),
         Err(e) => {
             tracing::info!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), node = %args.node, error = %e, "bind refused");
+            // Bind read the node fresh and disagreed with what filter saw: kube-scheduler's
+            // retry must not be filtered against the same stale list.
+            state.forget_nodes();
             e.to_string()
         }
     };

@@ -16,6 +16,7 @@ use kube::api::ListParams;
 use kube::Api;
 use vcuda_cluster::INVENTORY_ANNOTATION;
 
+use crate::liveness::{self, Tracker, Verdict};
 use crate::placement::{Expiry, NodeView, Policy};
 use crate::quota::{Claim, QuotaConfig};
 use crate::settings::ConfigMapRef;
@@ -53,6 +54,33 @@ pub struct AppState {
     pub scheduler_names: Vec<String>,
     /// Node name → labels and annotations, and when they were listed.
     cache: Arc<Mutex<Option<(Instant, NodeMetas)>>>,
+    /// Which nodes are lost, as the Lease watch ([`crate::leases`]) last saw them.
+    pub liveness: Arc<Liveness>,
+}
+
+/// The liveness [`Tracker`] the Lease watch feeds and the verbs ask, on this scheduler's
+/// monotonic clock (ms since it was made). Until the watch has listed the Leases once, no
+/// node is lost.
+#[derive(Debug)]
+pub struct Liveness {
+    pub tracker: Mutex<Tracker>,
+    origin: Instant,
+}
+
+impl Default for Liveness {
+    fn default() -> Liveness {
+        Liveness {
+            tracker: Mutex::new(Tracker::new()),
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl Liveness {
+    /// Now on the tracker's clock (monotonic ms).
+    pub fn now_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
 }
 
 impl std::fmt::Debug for AppState {
@@ -78,6 +106,27 @@ impl AppState {
             reservation_ttl: DEFAULT_RESERVATION_TTL,
             scheduler_names: vec![crate::eligibility::DEFAULT_SCHEDULER_NAME.to_string()],
             cache: Arc::new(Mutex::new(None)),
+            liveness: Arc::new(Liveness::default()),
+        }
+    }
+
+    /// Why node `name` (with these annotations) gets no pod because it is lost, or `None`
+    /// (alive, or its inventory names no Lease).
+    pub fn lost(&self, name: &str, annotations: &BTreeMap<String, String>) -> Option<String> {
+        let lease = liveness::lease_of(annotations)?;
+        let now = self.liveness.now_ms();
+        let verdict = self
+            .liveness
+            .tracker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .verdict(Some(&lease), now);
+        match verdict {
+            Verdict::Lost {
+                lease,
+                unchanged_ms,
+            } => Some(liveness::refusal(name, &lease, unchanged_ms)),
+            Verdict::Alive | Verdict::Unchecked => None,
         }
     }
 
@@ -104,6 +153,14 @@ impl AppState {
         Expiry {
             now_ms: now_ms(),
             ttl_ms: u64::try_from(self.reservation_ttl.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Drop the cached node list: the next [`Self::node_metas`] lists afresh (after a bind
+    /// that found the node changed since the list).
+    pub fn forget_nodes(&self) {
+        if let Ok(mut g) = self.cache.lock() {
+            *g = None;
         }
     }
 

@@ -345,8 +345,11 @@ class Scheduler:
 
 
 class Cluster:
-    def __init__(self, tmp, nodes=2, schedulers=2):
+    def __init__(self, tmp, nodes=2, schedulers=2, manager_args=(), scheduler_args=()):
+        """manager_args / scheduler_args: more flags for every manager / scheduler replica."""
         self.tmp = tmp
+        self.manager_args = list(manager_args)
+        self.scheduler_args = list(scheduler_args)
         self.procs = []
         self.nodes = {}
         self.watches = []
@@ -374,7 +377,8 @@ class Cluster:
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "vcuda.io/gpu-model": "A100"}},
             "status": {"capacity": {CORE: "200", MEMORY: "320"}, "allocatable": {CORE: "200", MEMORY: "320"}}})
-        node = ClusterNode(name, index, self.tmp / f"n{index}", kubeconfig=self.kubeconfig)
+        node = ClusterNode(name, index, self.tmp / f"n{index}", kubeconfig=self.kubeconfig,
+                           manager_args=self.manager_args)
         self.nodes[name] = node
         node.start()
         w = KubeletWatch(self.api, node, self.outcomes)
@@ -385,7 +389,7 @@ class Cluster:
     def start_scheduler(self, i):
         log = open(self.tmp / f"scheduler{i}.log", "w")
         p = subprocess.Popen([SCHEDULER, "--listen", "127.0.0.1:0", "--kubeconfig", str(self.kubeconfig),
-                              *extender_tls.flags()],
+                              *extender_tls.flags(), "--metrics-address", "127.0.0.1:0", *self.scheduler_args],
                              stdout=subprocess.PIPE, stderr=log, text=True)
         self.procs.append(p)
         line = p.stdout.readline()

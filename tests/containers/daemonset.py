@@ -1,5 +1,5 @@
 """vcuda-manager started from the product image the way the kubelet starts the DaemonSet's
-pod in `deploy/vcuda-manager.yaml`, generated from the manifest itself (not a copy): its
+pod in `deploy/base/manager/vcuda-manager.yaml`, generated from the manifest itself (not a copy): its
 user, `allowPrivilegeEscalation: false` (no_new_privs), read-only root, `hostPID`,
 capabilities, volume mounts, environment and command become `docker run` arguments, under
 the engine's default seccomp profile (the manifest's RuntimeDefault).
@@ -36,15 +36,21 @@ import runtime  # noqa: E402
 from gpusim_harness import LIB  # noqa: E402
 
 PRODUCT = "vcuda/vcuda:latest"
-MANIFEST = ROOT / "deploy" / "vcuda-manager.yaml"
+MANIFEST = ROOT / "deploy" / "base" / "manager" / "vcuda-manager.yaml"
 # The user the image runs as when a securityContext names none (its Dockerfile's USER).
 IMAGE_USER = 65532
 
 
-def manifest():
-    """(the DaemonSet's pod spec, its manager container, the manager's ConfigMap data)."""
+def daemonset():
+    """(every document of the manifest, its DaemonSet)."""
     docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
     (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    return docs, ds
+
+
+def manifest():
+    """(the DaemonSet's pod spec, its manager container, the manager's ConfigMap data)."""
+    docs, ds = daemonset()
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vcuda-manager"]
     spec = ds["spec"]["template"]["spec"]
     (c,) = [c for c in spec["containers"] if c["name"] == "manager"]
@@ -105,6 +111,30 @@ def pod_container_args(spec, c, relocated, confdir, caps=None, at_own_path=False
     return args, config_mount, added
 
 
+# The node the harness's pod is bound to (spec.nodeName); tests/containers/cluster.py's nodes
+# give the manager --node-name themselves.
+NODE_NAME = "node-1"
+
+
+def downward_api():
+    """{fieldPath: value} of the pod fields an env var may name (valueFrom.fieldRef) that the
+    harness models, as the kubelet fills them in: the node the pod is bound to and the
+    pod's namespace, the DaemonSet's in the manifest."""
+    _, ds = daemonset()
+    return {"spec.nodeName": NODE_NAME, "metadata.namespace": ds["metadata"]["namespace"]}
+
+
+def env_value(e, fields):
+    """The value the kubelet gives the container's env var `e` (a literal `value`, or a pod
+    field from `fields`, `downward_api()`); anything else is not modelled."""
+    if "value" in e and "valueFrom" not in e:
+        return str(e["value"])
+    ref = e.get("valueFrom", {})
+    path = ref.get("fieldRef", {}).get("fieldPath") if list(ref) == ["fieldRef"] else None
+    assert path in fields, f"env {e} is not modelled here (pod fields: {sorted(fields)})"
+    return fields[path]
+
+
 def install_library(spec, relocated, confdir):
     """Run the DaemonSet's init container as the manifest has it: it puts the image's
     libvcuda.so where every container on the node gets it."""
@@ -142,10 +172,13 @@ class ManagerContainer:
     mounts: more (host path, read-only) bind mounts at their own path, the harness's own
     (e.g. node_common's simulated /proc tree); omit_hostpaths: hostPath volumes (by host
     path) not mounted because the node does not have them; reuse_library: the init
-    container's library from this process's first install, copied (saves a container run)."""
+    container's library from this process's first install, copied (saves a container run);
+    image: the pod's image (an upgrade's old or new one); namespaces_of: a container whose pid
+    and network namespaces stand for the node's (hostPID), instead of the host's
+    (tests/containers/cluster.py: a node that is itself a container)."""
 
     def __init__(self, node, flags=(), caps=None, pod=None, use_config=True, mounts=(), omit_hostpaths=(),
-                 reuse_library=False):
+                 reuse_library=False, image=PRODUCT, namespaces_of=None):
         self.node = node
         self.name = f"vcuda-manager-{secrets.token_hex(4)}"
         spec, c, data = pod or manifest()
@@ -163,12 +196,14 @@ class ManagerContainer:
             c = dict(c, volumeMounts=[vm for vm in c.get("volumeMounts", [])
                                       if volumes[vm["name"]].get("hostPath", {}).get("path") not in omit_hostpaths])
         args, config_mount, self.caps = pod_container_args(spec, c, relocated, confdir, caps, at_own_path=True)
-        args = ["run", "--rm", "--name", self.name, "--network", "none", *args]
+        if namespaces_of:
+            args = [f"--pid=container:{namespaces_of}" if a == "--pid=host" else a for a in args]
+        network = f"container:{namespaces_of}" if namespaces_of else "none"
+        args = ["run", "--rm", "--name", self.name, "--network", network, *args]
         env = {e["name"]: e for e in c.get("env", [])}
+        fields = downward_api()
         for e in env.values():
-            value = e.get("value", "node-1" if e["name"] == "NODE_NAME" else None)
-            assert value is not None, f"env {e} is not modelled here"
-            args += ["-e", f"{e['name']}={value}"]
+            args += ["-e", f"{e['name']}={env_value(e, fields)}"]
         # The NVIDIA container runtime's part, for a pod that asks for the GPUs: the driver's
         # NVML (here gpusim's) and the driver's state (gpusim's file).
         self.gpus = "NVIDIA_VISIBLE_DEVICES" in env
@@ -204,7 +239,7 @@ class ManagerContainer:
         log.chmod(0o666)  # whatever user the pod runs as (the harness's file, not the node's)
         args += ["--mount", f"type=bind,src={log},dst={log}"]
         command = ["sh", "-c", f'exec "$0" "$@" 2>>{shlex.quote(str(log))}', *command]
-        self.args = [*args, PRODUCT, *map(str, command)]
+        self.args = [*args, image, *map(str, command)]
         self.proc = None
 
     def start(self):

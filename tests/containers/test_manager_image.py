@@ -1,7 +1,7 @@
 """vcuda-manager in its product image with exactly the DaemonSet's privileges (issue 11,
 point 12's proof under a real runtime; issue 17, point 4).
 
-The manager container is made from `deploy/vcuda-manager.yaml` itself, not a copy
+The manager container is made from `deploy/base/manager/vcuda-manager.yaml` itself, not a copy
 (daemonset.py: user, no_new_privs, read-only root, `hostPID`, capabilities, volume mounts,
 environment and command, under the engine's default seccomp profile), its hostPath volumes
 relocated to this test's directories and mounted at their own path, and gpusim's NVML

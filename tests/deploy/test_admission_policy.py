@@ -1,6 +1,7 @@
-"""deploy/vcuda-admission-policy.yaml: the ValidatingAdmissionPolicy that narrows what
-vcuda-manager and vcuda-scheduler may change on Nodes, evaluated here the way the API server
-evaluates it.
+"""deploy/admission-policy/vcuda-admission-policy.yaml: the ValidatingAdmissionPolicies that narrow what
+vcuda-manager and vcuda-scheduler may change on Nodes (vcuda-node-writes) and which Lease
+vcuda-manager may write (vcuda-manager-lease-writes), evaluated here the way the API server
+evaluates them.
 
 The CEL is evaluated by cel-expr-python (Google's cel-cpp) with its optional-types extension,
 the same CEL with the same optional syntax (`?.`, `[?]`, `orValue`) Kubernetes enables since
@@ -9,7 +10,8 @@ harness does implement is the API server's order (policy reference, "Validation"
 "Variable composition"): matchConstraints, then every matchCondition (false: the policy does
 not apply; an error: failurePolicy), then the variables (one that fails to evaluate makes every
 validation using it fail), then each validation (false or an error: denied, failurePolicy Fail
-and validationActions [Deny])."""
+and validationActions [Deny]); every binding's policy decides, and one denial denies the
+request."""
 
 import copy
 import pathlib
@@ -22,7 +24,7 @@ from cel_expr_python.ext import ext_optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-DOCS = [d for d in yaml.safe_load_all((DEPLOY / "vcuda-admission-policy.yaml").read_text()) if d]
+DOCS = [d for d in yaml.safe_load_all((DEPLOY / "admission-policy" / "vcuda-admission-policy.yaml").read_text()) if d]
 
 MANAGER = "system:serviceaccount:vcuda-system:vcuda-manager"
 SCHEDULER = "system:serviceaccount:vcuda-system:vcuda-scheduler"
@@ -34,13 +36,17 @@ ENV = cel.NewEnv(
 )
 
 
-def one(kind):
-    (d,) = [d for d in DOCS if d["kind"] == kind]
-    return d
+def by_name(kind):
+    docs = [d for d in DOCS if d["kind"] == kind]
+    named = {d["metadata"]["name"]: d for d in docs}
+    assert len(named) == len(docs), f"two {kind}s of one name"
+    return named
 
 
-POLICY = one("ValidatingAdmissionPolicy")
-BINDING = one("ValidatingAdmissionPolicyBinding")
+POLICIES = by_name("ValidatingAdmissionPolicy")
+BINDINGS = by_name("ValidatingAdmissionPolicyBinding")
+POLICY = POLICIES["vcuda-node-writes"]  # Nodes: both service accounts
+LEASE_POLICY = POLICIES["vcuda-manager-lease-writes"]  # Leases: the manager's own only
 COMPILED = {}
 
 
@@ -64,10 +70,26 @@ def evaluate(expr, data):
     return v.plain_value()
 
 
-def admit(request, obj, old):
-    """(allowed, message) for one admission request, as the API server decides it."""
-    spec = POLICY["spec"]
-    assert spec["failurePolicy"] == "Fail" and BINDING["spec"]["validationActions"] == ["Deny"]
+def admit(request, obj, old, policies=None):
+    """(allowed, message) for one admission request, as the API server decides it: every
+    binding's policy (`policies`: {name: policy}, default the file's) decides, and the first
+    denial is the answer; else "allowed" when a policy admitted it, else why none applied."""
+    policies = POLICIES if policies is None else policies
+    decisions = [admit_one(policies[b["spec"]["policyName"]], b, request, obj, old)
+                 for b in BINDINGS.values() if b["spec"]["policyName"] in policies]
+    assert decisions, "no policy bound"
+
+    def rank(d):
+        allowed, why = d
+        return allowed, 0 if why == "allowed" else 1 if why.startswith("matchCondition") else 2
+
+    return min(decisions, key=rank)
+
+
+def admit_one(policy, binding, request, obj, old):
+    """(allowed, message) of one policy for one admission request."""
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail" and binding["spec"]["validationActions"] == ["Deny"]
     res = request["resource"]
     matched = any(
         res["group"] in r["apiGroups"] and res["version"] in r["apiVersions"]
@@ -185,24 +207,34 @@ GPUS = set_annotation("vcuda.io/gpus", '{"schema":1,"gpus":[{"uuid":"GPU-1"}]}')
 # --- the policy's shape ----------------------------------------------------------------
 
 
-def test_policy_and_binding_are_v1_fail_closed_and_deny():
+def test_policies_and_bindings_are_v1_fail_closed_and_deny():
     for d in DOCS:
         assert d["apiVersion"] == "admissionregistration.k8s.io/v1", d["kind"]
-    spec = POLICY["spec"]
-    assert spec["failurePolicy"] == "Fail"
-    assert spec["matchConstraints"]["resourceRules"] == [
+    assert sorted(POLICIES) == ["vcuda-manager-lease-writes", "vcuda-node-writes"]
+    assert POLICY["spec"]["matchConstraints"]["resourceRules"] == [
         {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["nodes"]}
     ]
-    b = BINDING["spec"]
-    assert b["policyName"] == POLICY["metadata"]["name"]
-    assert b["validationActions"] == ["Deny"]
-    assert "matchResources" not in b and "paramRef" not in b, "every Node UPDATE the policy matches"
-    for val in spec["validations"]:
-        assert val["message"].strip() and val["reason"] == "Forbidden", val["expression"]
+    # the manager creates its Lease on its first start and updates it to renew it
+    assert LEASE_POLICY["spec"]["matchConstraints"]["resourceRules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+         "resources": ["leases"]}
+    ]
+    # each policy bound once, by a binding of its own name, cluster-wide, denying
+    assert sorted(b["spec"]["policyName"] for b in BINDINGS.values()) == sorted(POLICIES)
+    for name, b in BINDINGS.items():
+        assert b["spec"]["policyName"] == name
+        assert b["spec"]["validationActions"] == ["Deny"]
+        assert "matchResources" not in b["spec"] and "paramRef" not in b["spec"], "every request the policy matches"
+    for policy in POLICIES.values():
+        spec = policy["spec"]
+        assert spec["failurePolicy"] == "Fail"
+        for val in spec["validations"]:
+            assert val["message"].strip() and val["reason"] == "Forbidden", val["expression"]
 
 
-def test_every_expression_compiles():
-    spec = POLICY["spec"]
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_expression_compiles(name):
+    spec = POLICIES[name]["spec"]
     for e in [m["expression"] for m in spec["matchConditions"]] + [v["expression"] for v in spec["variables"]] + [
         v["expression"] for v in spec["validations"]
     ]:
@@ -214,8 +246,9 @@ def test_every_expression_compiles():
             assert used in names, used
 
 
-def test_the_node_name_comes_from_the_token_extra():
-    (var,) = [v for v in POLICY["spec"]["variables"] if NODE_NAME_KEY in v["expression"]]
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_the_node_name_comes_from_the_token_extra(name):
+    (var,) = [v for v in POLICIES[name]["spec"]["variables"] if NODE_NAME_KEY in v["expression"]]
     assert "request.userInfo" in var["expression"]
 
 
@@ -223,7 +256,7 @@ def test_user_names_are_the_service_accounts_of_the_manifests():
     """The policy names exactly the two ServiceAccounts that the manifests create and that
     their workloads run as."""
     accounts = {}
-    for f, kind in (("vcuda-manager.yaml", "DaemonSet"), ("vcuda-scheduler.yaml", "Deployment")):
+    for f, kind in (("base/manager/vcuda-manager.yaml", "DaemonSet"), ("base/scheduler/vcuda-scheduler.yaml", "Deployment")):
         docs = [d for d in yaml.safe_load_all((DEPLOY / f).read_text()) if d]
         (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
         (workload,) = [d for d in docs if d["kind"] == kind]
@@ -231,13 +264,17 @@ def test_user_names_are_the_service_accounts_of_the_manifests():
         assert workload["metadata"]["namespace"] == sa["metadata"]["namespace"]
         accounts[kind] = f"system:serviceaccount:{sa['metadata']['namespace']}:{sa['metadata']['name']}"
     assert (accounts["DaemonSet"], accounts["Deployment"]) == (MANAGER, SCHEDULER)
-    text = yaml.safe_dump(POLICY)
-    named = set(re.findall(r"system:serviceaccount:[a-z0-9.-]+:[a-z0-9.-]+", text))
+    account = r"system:serviceaccount:[a-z0-9.-]+:[a-z0-9.-]+"
+    named = set(re.findall(account, yaml.safe_dump(POLICY)))
     assert named == {MANAGER, SCHEDULER}, named
     (mc,) = POLICY["spec"]["matchConditions"]
-    assert set(re.findall(r"system:serviceaccount:[a-z0-9.-]+:[a-z0-9.-]+", mc["expression"])) == {MANAGER, SCHEDULER}
+    assert set(re.findall(account, mc["expression"])) == {MANAGER, SCHEDULER}
     (is_manager,) = [v for v in POLICY["spec"]["variables"] if v["name"] == "isManager"]
-    assert re.findall(r"system:serviceaccount:[a-z0-9.-]+:[a-z0-9.-]+", is_manager["expression"]) == [MANAGER]
+    assert re.findall(account, is_manager["expression"]) == [MANAGER]
+    # the Lease policy: the manager only
+    assert set(re.findall(account, yaml.safe_dump(LEASE_POLICY))) == {MANAGER}
+    (mc,) = LEASE_POLICY["spec"]["matchConditions"]
+    assert re.findall(account, mc["expression"]) == [MANAGER]
 
 
 # --- the manager: its own node, vcuda.io/ annotations only -----------------------------
@@ -383,3 +420,142 @@ def test_only_node_updates_are_matched():
     pods = request(u, "p")
     pods["resource"] = {"group": "", "version": "v1", "resource": "pods"}
     assert admit(pods, {}, {}) == (True, "not matched")
+
+
+# --- the manager's node Lease: its own only --------------------------------------------
+
+
+def lease(name, holder_node="gpu-1", namespace="vcuda-system"):
+    """A Lease as vcuda-manager writes it (manager/core/src/lease.rs)."""
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"uid-{name}",
+            "resourceVersion": "2000",
+            "labels": {"app.kubernetes.io/name": "vcuda-manager", "vcuda.io/node": holder_node},
+        },
+        "spec": {
+            "holderIdentity": f"{holder_node}/0000000000000abc",
+            "leaseDurationSeconds": 40,
+            "acquireTime": "2026-11-28T04:00:00.000000Z",
+            "renewTime": "2026-11-28T04:00:00.000000Z",
+            "leaseTransitions": 0,
+        },
+    }
+
+
+def lease_request(userinfo, name, operation, namespace="vcuda-system"):
+    return {
+        "uid": "req-2",
+        "kind": {"group": "coordination.k8s.io", "version": "v1", "kind": "Lease"},
+        "resource": {"group": "coordination.k8s.io", "version": "v1", "resource": "leases"},
+        "name": name,
+        "namespace": namespace,
+        "operation": operation,
+        "userInfo": userinfo,
+        "dryRun": False,
+    }
+
+
+def decide_lease(username, name, operation, node_name=None, extra=True, namespace="vcuda-system", policies=None):
+    """A write of Lease `name` by `username` whose token names `node_name`: a CREATE (no
+    oldObject) or an UPDATE that renews it (renewTime moved, new resourceVersion)."""
+    old = None if operation == "CREATE" else lease(name, namespace=namespace)
+    new = lease(name, holder_node=node_name or "gpu-1", namespace=namespace)
+    if old is not None:
+        new["spec"]["renewTime"] = "2026-11-28T04:00:10.000000Z"
+        new["metadata"]["resourceVersion"] = "2001"
+    else:
+        del new["metadata"]["resourceVersion"]
+    return admit(lease_request(user(username, node_name, extra), name, operation, namespace), new, old, policies)
+
+
+LEASE_WRITES = ["CREATE", "UPDATE"]
+OWN_LEASE_ONLY = "may create and update only its own node's Lease"
+
+
+def test_the_lease_the_policy_allows_is_the_one_the_manager_names():
+    """The policy's vcuda-manager-<node> is the manager's lease_name (manager/core/src/lease.rs)."""
+    src = (ROOT / "manager" / "core" / "src" / "lease.rs").read_text()
+    (prefix,) = re.findall(r'fn lease_name\(node: &str\) -> String \{\s*format!\("([^"{]*)\{node\}"\)', src)
+    (val,) = LEASE_POLICY["spec"]["validations"]
+    assert f"object.metadata.name == '{prefix}' + variables.tokenNodes[0]" in val["expression"]
+
+
+@pytest.mark.parametrize("operation", LEASE_WRITES)
+def test_manager_writes_its_own_nodes_lease(operation):
+    assert decide_lease(MANAGER, "vcuda-manager-gpu-1", operation, node_name="gpu-1") == (True, "allowed")
+
+
+@pytest.mark.parametrize("operation", LEASE_WRITES)
+@pytest.mark.parametrize(
+    "name,namespace",
+    [
+        ("vcuda-manager-gpu-2", "vcuda-system"),  # keeping a dead node "alive"
+        ("vcuda-manager-gpu-10", "vcuda-system"),  # its own name is a prefix of it
+        ("vcuda-manager-gpu-1x", "vcuda-system"),
+        ("vcuda-manager-gpu", "vcuda-system"),  # a prefix of its own name
+        ("gpu-1", "vcuda-system"),  # its node's name without the prefix
+        ("gpu-2", "kube-node-lease"),  # another kubelet's node Lease
+        ("vcuda-scheduler", "vcuda-system"),
+    ],
+    ids=["another-nodes", "longer-name", "suffix", "shorter-name", "no-prefix", "a-kubelets-lease", "unrelated"],
+)
+def test_manager_may_not_write_another_lease(operation, name, namespace):
+    allowed, message = decide_lease(MANAGER, name, operation, node_name="gpu-1", namespace=namespace)
+    assert not allowed and OWN_LEASE_ONLY in message, message
+    assert "vcuda-manager-<node>" in message and "ServiceAccountTokenPodNodeInfo" in message
+
+
+def test_without_the_lease_policy_another_nodes_lease_would_be_written():
+    """What the policy is for: RBAC alone (the node policy alone) lets gpu-1's manager renew
+    gpu-2's Lease; so the refusal above is the Lease policy's."""
+    nodes_only = {name: p for name, p in POLICIES.items() if p is not LEASE_POLICY}
+    assert decide_lease(MANAGER, "vcuda-manager-gpu-2", "UPDATE", node_name="gpu-1", policies=nodes_only)[0]
+    assert not decide_lease(MANAGER, "vcuda-manager-gpu-2", "UPDATE", node_name="gpu-1")[0]
+
+
+@pytest.mark.parametrize("operation", LEASE_WRITES)
+@pytest.mark.parametrize(
+    "node_name,extra",
+    [(None, True), (None, False), ("", True)],
+    ids=["pod-bound-token-without-node-name", "token-without-extra", "empty-node-name"],
+)
+def test_manager_token_without_its_node_writes_no_lease(operation, node_name, extra):
+    for name in ("vcuda-manager-gpu-1", "vcuda-manager-"):
+        allowed, message = decide_lease(MANAGER, name, operation, node_name=node_name, extra=extra)
+        assert not allowed and OWN_LEASE_ONLY in message, (name, message)
+
+
+def test_manager_token_naming_two_nodes_writes_no_lease():
+    u = user(MANAGER, "gpu-1")
+    u["extra"][NODE_NAME_KEY] = ["gpu-1", "gpu-2"]
+    for name in ("vcuda-manager-gpu-1", "vcuda-manager-gpu-2"):
+        assert not admit(lease_request(u, name, "CREATE"), lease(name), None)[0], name
+
+
+@pytest.mark.parametrize("operation", LEASE_WRITES)
+@pytest.mark.parametrize(
+    "username,name,namespace",
+    [
+        ("system:node:gpu-2", "gpu-2", "kube-node-lease"),  # the kubelet's own node Lease
+        ("system:kube-controller-manager", "kube-controller-manager", "kube-system"),  # leader election
+        ("kubernetes-admin", "vcuda-manager-gpu-2", "vcuda-system"),
+        (SCHEDULER, "vcuda-manager-gpu-2", "vcuda-system"),  # RBAC: it may only list them
+        ("system:serviceaccount:tenant-a:vcuda-manager", "vcuda-manager-gpu-2", "tenant-a"),  # another namespace
+    ],
+    ids=["kubelet", "leader-election", "admin", "scheduler", "same-name-other-namespace"],
+)
+def test_other_users_leases_are_not_matched(operation, username, name, namespace):
+    allowed, why = decide_lease(username, name, operation, node_name="gpu-9", namespace=namespace)
+    assert allowed and why.startswith("matchCondition"), why
+
+
+def test_lease_deletes_are_not_matched():
+    u = user(MANAGER, "gpu-9")
+    # DELETE: RBAC gives the manager none
+    assert admit(lease_request(u, "vcuda-manager-gpu-1", "DELETE"), None, lease("vcuda-manager-gpu-1")) == (
+        True, "not matched")

@@ -1,5 +1,5 @@
 """deploy/certs/make-certs.sh makes the certificates of kube-scheduler -> vcuda-scheduler mutual
-TLS, and deploy/vcuda-scheduler.yaml mounts and configures exactly what it makes."""
+TLS, and deploy/base/scheduler/vcuda-scheduler.yaml mounts and configures exactly what it makes."""
 
 import datetime
 import os
@@ -18,7 +18,7 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "certs" / "make-certs.sh"
-DOCS = [d for d in yaml.safe_load_all((ROOT / "deploy" / "vcuda-scheduler.yaml").read_text()) if d]
+DOCS = [d for d in yaml.safe_load_all((ROOT / "deploy" / "base" / "scheduler" / "vcuda-scheduler.yaml").read_text()) if d]
 SANS = {"vcuda-scheduler.vcuda-system.svc", "vcuda-scheduler.vcuda-system.svc.cluster.local", "vcuda-scheduler"}
 KEYS = ("ca.key", "tls.key", "client.key")
 CERTS = ("ca.crt", "tls.crt", "client.crt")

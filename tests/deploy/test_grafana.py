@@ -104,7 +104,13 @@ def test_datasource_is_the_import_input(dashboard):
         assert p["datasource"] == want, p["title"]
         assert all(t["datasource"] == want for t in p["targets"]), p["title"]
     for v in d["templating"]["list"]:
-        assert v["datasource"] == want, v["name"]
+        if v["type"] != "datasource":
+            assert v["datasource"] == want, v["name"]
+    # Grafana's dashboard sidecar (deploy/grafana/kustomization.yaml) loads the file as it is,
+    # without the import's input: a datasource variable of the input's name resolves
+    # ${DS_PROMETHEUS} there (to the default Prometheus, or the one chosen)
+    (var,) = [v for v in d["templating"]["list"] if v["name"] == "DS_PROMETHEUS"]
+    assert (var["type"], var["query"]) == ("datasource", "prometheus")
 
 
 def test_template_variables_come_from_label_values(dashboard):

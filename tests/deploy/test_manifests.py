@@ -6,7 +6,9 @@ import re
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DOCS = list(yaml.safe_load_all((ROOT / "deploy" / "vcuda-manager.yaml").read_text()))
+# the node daemon (deploy/base/manager) and its API-server RBAC (deploy/base/manager-api)
+DOCS = [d for f in ("manager/vcuda-manager.yaml", "manager-api/vcuda-manager-rbac.yaml")
+        for d in yaml.safe_load_all((ROOT / "deploy" / "base" / f).read_text())]
 
 
 def kinds(kind):
@@ -23,11 +25,21 @@ def test_no_cluster_admin_and_only_the_api_access_it_needs():
     # Publish vcuda.io/gpus and retire reservations on its Node; read the pods it serves.
     assert rules == {(("",), ("nodes",), ("get", "patch")), (("",), ("pods",), ("get", "list"))}, rules
     assert not any("*" in str(r) for r in role["rules"])
-    assert not kinds("Role") and not kinds("RoleBinding")
     (crb,) = kinds("ClusterRoleBinding")
     assert crb["roleRef"]["name"] == role["metadata"]["name"]
     assert crb["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                                 "namespace": sa["metadata"]["namespace"]}]
+    # Its node Lease, in its own namespace only: get, create and update, no list/watch/delete
+    # (deploy/admission-policy narrows the writes to vcuda-manager-<its node>).
+    (lease_role,) = kinds("Role")
+    assert lease_role["metadata"]["namespace"] == sa["metadata"]["namespace"]
+    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                    "verbs": ["get", "create", "update"]}]
+    (rb,) = kinds("RoleBinding")
+    assert rb["metadata"]["namespace"] == sa["metadata"]["namespace"]
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                             "name": lease_role["metadata"]["name"]}
+    assert rb["subjects"] == crb["subjects"]
 
 
 def test_daemonset_has_only_what_it_needs():
@@ -37,6 +49,8 @@ def test_daemonset_has_only_what_it_needs():
     assert pod["automountServiceAccountToken"] is True, "the API server: vcuda.io/gpus"
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # its node Lease in its own namespace (--lease-namespace's default), where its Role is
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     assert not pod.get("hostNetwork")
     for c in pod["containers"] + pod["initContainers"]:
         sc = c["securityContext"]

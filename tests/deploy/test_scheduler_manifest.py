@@ -1,4 +1,4 @@
-"""deploy/vcuda-scheduler.yaml keeps to least privilege and configures the extender as the
+"""deploy/base/scheduler/vcuda-scheduler.yaml keeps to least privilege and configures the extender as the
 binary serves it."""
 
 import pathlib
@@ -6,7 +6,7 @@ import pathlib
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DOCS = [d for d in yaml.safe_load_all((ROOT / "deploy" / "vcuda-scheduler.yaml").read_text()) if d]
+DOCS = [d for d in yaml.safe_load_all((ROOT / "deploy" / "base" / "scheduler" / "vcuda-scheduler.yaml").read_text()) if d]
 
 
 def one(kind, name=None):
@@ -34,16 +34,30 @@ def test_rbac_is_least_privilege():
 
 def test_the_quota_configmap_is_reachable_by_name_only():
     ns, name = quota_flag()
-    (rule,) = one("Role")["rules"]
-    assert one("Role")["metadata"]["namespace"] == ns
+    role = one("Role", "vcuda-scheduler-quotas")
+    (rule,) = role["rules"]
+    assert role["metadata"]["namespace"] == ns
     assert rule == {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name], "verbs": ["get", "patch"]}
-    rb = one("RoleBinding")
+    rb = one("RoleBinding", "vcuda-scheduler-quotas")
     assert rb["metadata"]["namespace"] == ns and rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                                                    "name": one("Role")["metadata"]["name"]}
+                                                                    "name": role["metadata"]["name"]}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "vcuda-scheduler", "namespace": "vcuda-system"}]
     # fail closed: the manifest ships the ConfigMap the flag names (empty: no rules yet)
     cm = one("ConfigMap", name)
     assert cm["metadata"]["namespace"] == ns and not cm.get("data")
+
+
+def test_the_managers_leases_are_listed_in_their_namespace_only():
+    """Node liveness: list (no get, watch or write) on Leases, in vcuda-system only."""
+    role = one("Role", "vcuda-scheduler-leases")
+    assert role["metadata"]["namespace"] == "vcuda-system"
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["list"]}]
+    rb = one("RoleBinding", "vcuda-scheduler-leases")
+    assert rb["metadata"]["namespace"] == "vcuda-system"
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "vcuda-scheduler-leases"}
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "vcuda-scheduler", "namespace": "vcuda-system"}]
+    assert {r["metadata"]["name"] for r in DOCS if r.get("kind") == "Role"} == {"vcuda-scheduler-quotas",
+                                                                                "vcuda-scheduler-leases"}
 
 
 def test_deployment_runs_unprivileged_replicas():
@@ -97,7 +111,7 @@ def test_network_policy_admits_kube_scheduler_to_the_extender_only():
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert rule["ports"] == [{"port": c["ports"][0]["name"], "protocol": "TCP"}]
     # kube-scheduler usually has hostNetwork: the manifest says so and shows the ipBlock to add
-    text = (ROOT / "deploy" / "vcuda-scheduler.yaml").read_text()
+    text = (ROOT / "deploy" / "base" / "scheduler" / "vcuda-scheduler.yaml").read_text()
     assert "# - ipBlock:" in text and "hostNetwork" in text
 
 

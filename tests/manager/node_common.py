@@ -27,7 +27,7 @@ RELEASE = ROOT / "target" / "release"
 MANAGER = pathlib.Path(os.environ.get("VCUDA_MANAGER_BIN", RELEASE / "vcuda-manager"))
 KUBELET_SIM = pathlib.Path(os.environ.get("KUBELET_SIM_BIN", RELEASE / "kubelet-sim"))
 # VCUDA_MANAGER_FROM_IMAGE=1: the manager runs from the product image (vcuda/vcuda:latest)
-# with exactly deploy/vcuda-manager.yaml's privileges (tests/containers/daemonset.py), not as
+# with exactly deploy/base/manager/vcuda-manager.yaml's privileges (tests/containers/daemonset.py), not as
 # the host binary; configured by the same flags, its paths bound at their own path.
 FROM_IMAGE = os.environ.get("VCUDA_MANAGER_FROM_IMAGE") == "1"
 DOMAIN = "tencent.com"
@@ -249,13 +249,7 @@ class Node:
             text = self.manager_container.fetch(f"http://{m[-1]}/metrics")
         else:
             text = urllib.request.urlopen(f"http://{m[-1]}/metrics", timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            hit = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
-            if hit and not line.startswith("#"):
-                labels = dict(re.findall(r'(\w+)="([^"]*)"', hit.group(2) or ""))
-                out[(hit.group(1), frozenset(labels.items()))] = float(hit.group(3))
-        return out
+        return parse_metrics(text)
 
     def metric(self, name, **labels):
         """The value of one series (None if absent)."""
@@ -333,6 +327,19 @@ def holding(p, mib):
         _, err = p.communicate(timeout=30)
         raise AssertionError(f"fill did not get {mib} MiB:\n{out}{err}")
     return p
+
+
+def parse_metrics(text):
+    """A Prometheus text exposition, parsed: {(name, frozenset(labels.items())): value}."""
+    import re
+
+    out = {}
+    for line in text.splitlines():
+        hit = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
+        if hit and not line.startswith("#"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', hit.group(2) or ""))
+            out[(hit.group(1), frozenset(labels.items()))] = float(hit.group(3))
+    return out
 
 
 def wait_for(what, pred, timeout=10.0, step=0.05):

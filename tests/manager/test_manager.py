@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from node_common import CORE, Node, bins, demo_pods, fill, wait_for  # noqa: F401 (bins: a fixture)
+from node_common import CORE, MEMORY, Node, bins, demo_pods, fill, wait_for  # noqa: F401 (bins: a fixture)
 from vcuda_common import region_slots
 
 MiB = 1 << 20
@@ -173,6 +173,20 @@ def test_kubelet_restart_re_registers_within_a_second_without_exiting(node):
     assert after["restarts"] == before["restarts"] + 1
     res = {r["name"]: r for r in after["resources"]}
     assert res[CORE]["state"] == "registered" and len(res[CORE]["healthy"]) == 200
+
+
+def test_kubelet_registered_metric_follows_the_registration(node):
+    registered = lambda: [node.metric("vcuda_kubelet_registered", resource=r) for r in (CORE, MEMORY)]  # noqa: E731
+    wait_for("both resources registered in the metrics", lambda: registered() == [1, 1])
+    # The kubelet dies and, as a kubelet starting does, our socket is deleted: the manager
+    # serves afresh and waits for a kubelet that answers; nothing is registered meanwhile.
+    node.ksim.kill()
+    node.ksim.wait()
+    (node.plugin_dir / "vcuda-core.sock").unlink()
+    wait_for("both resources unregistered in the metrics", lambda: registered() == [0, 0])
+    assert node.manager is None or node.manager.poll() is None, "the manager exited"
+    node.start_kubelet().wait_registered()
+    wait_for("both resources registered again in the metrics", lambda: registered() == [1, 1])
 
 
 def test_manager_restart_keeps_allocations_and_containers_stay_enforced(node, bins):

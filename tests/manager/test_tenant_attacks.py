@@ -371,10 +371,10 @@ CAPS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "DAC_READ_SEARCH": 2, "FOWNER": 3, "FSETI
 
 
 def daemonset_capabilities():
-    """What deploy/vcuda-manager.yaml grants the manager container: drop ALL, add these."""
+    """What deploy/base/manager/vcuda-manager.yaml grants the manager container: drop ALL, add these."""
     import yaml
 
-    docs = yaml.safe_load_all((RELEASE.parents[1] / "deploy" / "vcuda-manager.yaml").read_text())
+    docs = yaml.safe_load_all((RELEASE.parents[1] / "deploy" / "base" / "manager" / "vcuda-manager.yaml").read_text())
     (ds,) = [d for d in docs if d and d.get("kind") == "DaemonSet"]
     (c,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "manager"]
     caps = c["securityContext"]["capabilities"]

@@ -29,7 +29,8 @@ def pct(xs, p):
 
 def start(cluster, tls):
     flags = extender_tls.flags() if tls else ["--insecure-plain-http"]
-    p = subprocess.Popen([str(BIN), "--listen", "127.0.0.1:0", "--kubeconfig", str(cluster.kubeconfig), *flags],
+    p = subprocess.Popen([str(BIN), "--listen", "127.0.0.1:0", "--kubeconfig", str(cluster.kubeconfig), *flags,
+                          "--metrics-address", "off"],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ready = json.loads(p.stdout.readline())
     cluster.schedulers.append((p, open("/dev/null", "w")))

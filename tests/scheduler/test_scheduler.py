@@ -132,8 +132,11 @@ class Cluster:
     def scheduler(self, *extra):
         assert BIN.exists(), f"{BIN} is missing: run `cargo build --release -p vcuda-scheduler` (or scripts/build-gpusim)"
         log = open(self.tmp / f"scheduler{len(self.schedulers)}.log", "w")
+        # Replicas share the host: each serves its metrics on a port of its own (the default,
+        # 0.0.0.0:9396, is one pod's); a test asking for other metrics flags passes its own.
+        metrics = [] if any(str(a).startswith("--metrics-address") for a in extra) else ["--metrics-address", "127.0.0.1:0"]
         proc = subprocess.Popen([str(BIN), "--listen", "127.0.0.1:0", "--kubeconfig", str(self.kubeconfig),
-                                 *extender_tls.flags(), *extra],
+                                 *extender_tls.flags(), *metrics, *extra],
                                 stdout=subprocess.PIPE, stderr=log, text=True)
         line = proc.stdout.readline()
         try:

@@ -53,6 +53,12 @@ pub enum AssignError {
         /// The containers the assignment names.
         names: Vec<String>,
     },
+    #[error("{pod} container {container}: the API server cannot be reached to read the pod's {ASSIGNMENT_ANNOTATION} and {GPU_COUNT_ANNOTATION} ({error}), so the container is not started unchecked; it starts once the node reaches the API server again (the kubelet retries the start), or run vcuda-manager with --api off to trust the kubelet's devices alone")]
+    Unverified {
+        pod: String,
+        container: String,
+        error: String,
+    },
     #[error("{pod} container {container}: the scheduler assigned {} ({ASSIGNMENT_ANNOTATION}) but the kubelet allocated {}; the node changed after scheduling (another pod took that share), so the scheduler's accounting would be wrong. Delete the pod to schedule it again", show(assigned), show(actual))]
     Disagrees {
         pod: String,
@@ -71,6 +77,7 @@ impl AssignError {
             AssignError::GpuCount { .. } => "gpu-count",
             AssignError::NoEntry { .. } => "assignment-no-entry",
             AssignError::Disagrees { .. } => "assignment-disagrees",
+            AssignError::Unverified { .. } => "api-unreachable",
         }
     }
 }
@@ -470,6 +477,10 @@ pub enum Decision {
     /// The pod's assignment cannot be followed (not readable, or no entry for the
     /// container): refused unless the container was configured before.
     Unreadable(AssignError),
+    /// The API server could not be asked for the pod ([`AssignError::Unverified`]): a
+    /// container configured before (a restart) starts as it was checked then; a new one is
+    /// refused until the pod can be read (a partitioned node starts nothing unchecked).
+    Unverified(AssignError),
 }
 
 impl From<Result<Option<Vec<GpuShare>>, AssignError>> for Decision {
@@ -657,6 +668,7 @@ pub fn node_inventory(
         schema: SCHEMA,
         gpus,
         pods,
+        lease: None,
     }
 }
 

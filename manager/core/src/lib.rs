@@ -15,6 +15,8 @@
 //! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (parsers over text
 //!   the daemon read);
 //! - [`inventory`]: the node's GPUs as found at start, and the XID health rule;
+//! - [`lease`]: the node Lease that proves the manager alive to the scheduler (its name,
+//!   body after each renewal, and renewal cadence);
 //! - [`watchdog`]: the verdicts on a container that runs over its memory quota or compute
 //!   share;
 //! - [`rounds`]: the control loop's rounds as a state machine (steps, cadence, garbage
@@ -28,6 +30,7 @@ pub mod cdi;
 pub mod identity;
 pub mod ids;
 pub mod inventory;
+pub mod lease;
 pub mod placement;
 pub mod rounds;
 pub mod watchdog;

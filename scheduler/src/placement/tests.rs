@@ -46,6 +46,7 @@ fn with_links(mut gpus: Vec<GpuInventory>) -> NodeInventory {
         schema: SCHEMA,
         gpus,
         pods: vec![],
+        lease: None,
     }
 }
 

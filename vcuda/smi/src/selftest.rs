@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::baseline::{self, BaselineError};
 
-/// Where the DaemonSet installs the library on the node (deploy/vcuda-manager.yaml).
+/// Where the DaemonSet installs the library on the node (deploy/base/manager/vcuda-manager.yaml).
 pub const DEFAULT_LIBRARY: &str = "/usr/local/vcuda/lib64/libvcuda.so";
 /// The `--json` document's version; bumped only if a field changes meaning.
 pub const SCHEMA: u32 = 1;
