@@ -8,8 +8,10 @@ import json
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -18,7 +20,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import extender_tls  # noqa: E402
 from test_scheduler import BIN, Cluster, bind, extender_args, verb  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "manager"))
+for _d in ("manager", "gpusim/e2e"):  # node_common (the metrics parser) and what it imports
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / _d))
 from node_common import parse_metrics  # noqa: E402
 
 
@@ -123,3 +126,38 @@ def test_metrics_address_off_serves_nothing_and_a_bad_one_is_refused(cluster):
     bad = subprocess.run([str(BIN), "--metrics-address", "nowhere", "--kubeconfig", str(cluster.kubeconfig),
                           *extender_tls.flags()], capture_output=True, text=True, timeout=30)
     assert bad.returncode != 0 and "--metrics-address" in bad.stderr and "off" in bad.stderr, bad.stderr
+
+
+def test_a_flood_on_the_metrics_port_stalls_neither_the_extender_nor_the_metrics(cluster):
+    """The metrics port is plain HTTP and, without a CNI that enforces NetworkPolicy, reachable
+    from tenant pods (threat model: a tenant may attack every socket it can reach). 200 idle
+    connections and slow headers there hold neither the extender's verbs (their own listener)
+    nor /metrics for ever: the extender answers at once, and /metrics once the flood's
+    connections have each been cut at the header deadline, 16 at a time (its connection
+    limit): at most ceil(200 / 16) deadlines. That wait is the flood's whole effect; the
+    monitoring overlay's NetworkPolicy admits only the monitoring namespace to the port."""
+    cluster.node("n1", [(0, 0)])
+    cluster.pod("p", 10, 4)
+    s, ready, _ = start(cluster, "--metrics-address", "127.0.0.1:0", "--header-timeout", "1s", "--body-timeout", "1s")
+    host, port = ready["metrics"].split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(200)]
+    slow = socket.create_connection((host, int(port)))
+    slow.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # headers that never end
+    started = time.monotonic()
+    out = verb(s, "filter", extender_args(cluster, "p", ["n1"], True))
+    assert out["NodeNames"] == ["n1"], out
+    assert time.monotonic() - started < 2, "the extender waited behind the metrics port's flood"
+    started = time.monotonic()
+    m = scrape(ready["metrics"])
+    waited = time.monotonic() - started
+    assert value(m, "vcuda_scheduler_requests_total", verb="filter") == 1
+    bound = -(-201 // 16) * 1.0 + 2  # every flooding connection cut at the 1 s deadline, 16 at a time
+    assert waited < bound, f"/metrics answered after {waited:.1f} s behind idle connections (bound {bound:.0f} s)"
+    for c in [*idle, slow]:
+        c.settimeout(5)
+        try:
+            got = c.recv(4096)
+        except ConnectionError:
+            got = b""
+        assert got == b"" or got.startswith(b"HTTP/1.1 408"), got[:200]
+        c.close()
