@@ -19,7 +19,6 @@ use vcuda_cluster::{Reservations, INVENTORY_ANNOTATION, RESERVATIONS_ANNOTATION,
 use crate::apiserver::{ApiError, ApiServer};
 use crate::state::Shared;
 use vcuda_manager_core::assign;
-use vcuda_manager_core::ids::PodUid;
 
 /// Wait this long after a change before publishing (a pod's containers change together).
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
@@ -101,8 +100,6 @@ async fn publish_once(api: &ApiServer, shared: &Shared, down: bool) -> Result<bo
             core.overrides.clone(),
         )
     };
-    // Reservations left on the Node after this write (an override of any other is done).
-    let mut published: Vec<PodUid> = Vec::new();
     let mut health = shared.health.borrow().clone();
     if down {
         health.iter_mut().for_each(|h| *h = false);
@@ -175,40 +172,29 @@ async fn publish_once(api: &ApiServer, shared: &Shared, down: bool) -> Result<bo
                     })?;
                     patch.insert(RESERVATIONS_ANNOTATION.into(), json!(v));
                 }
-                published = res
-                    .pods
-                    .iter()
-                    .map(|r| PodUid::new(r.uid.as_str()))
-                    .collect();
             }
             Err(e) => {
                 warn!(node = %api.node, error = %e, "annotation {RESERVATIONS_ANNOTATION} is not readable; left as it is")
             }
         }
     }
-    // After a write (or when none was needed): an exchange now carried by a reservation
-    // on the Node is forgotten; one made meanwhile, or of a live pod without a
-    // reservation to carry it, is kept.
-    let live: Vec<&str> = pods
+    // After a write (or when none was needed): see assign::keep_overrides.
+    let live: HashSet<&str> = pods
         .iter()
         .filter(|p| !p.finished)
         .map(|p| p.uid.as_str())
         .collect();
-    let forget = |shared: &Shared, published: &[PodUid]| {
-        let mut core = shared.core.lock();
-        core.overrides.retain(|uid, o| {
-            overrides.get(uid) != Some(o)
-                || (!published.contains(uid) && live.contains(&uid.as_str()))
-        });
+    let forget = |shared: &Shared| {
+        assign::keep_overrides(&mut shared.core.lock().overrides, &overrides, &live);
     };
     if patch.is_empty() {
-        forget(shared, &published);
+        forget(shared);
         return Ok(true);
     }
     if !api.patch_annotations(&rv, patch).await? {
         return Ok(false);
     }
-    forget(shared, &published);
+    forget(shared);
     debug!(node = %api.node, retired = retired.len(), exchanged = exchanged.len(), "published vcuda.io/gpus");
     if !retired.is_empty() {
         info!(node = %api.node, pods = %retired.join(","), "reservations retired: the pods are allocated here (or gone)");

@@ -735,6 +735,21 @@ pub fn holdings(inv: &Inventory, allocs: &[Allocation], pods: &[PodFacts]) -> Ve
         .collect()
 }
 
+/// After a publish: which exchanges (`overrides`, by pod uid) the manager still keeps. An
+/// exchange is kept while its pod is live on this node (`live`), even once the Node's
+/// reservation carries it: a reader (GetPreferredAllocation, PreStartContainer) may have
+/// read the reservations before the write and look at the overrides after it, and would
+/// then follow the pod's decision from before the exchange (and refuse a container, or
+/// answer the wrong GPU). Both agree once published, so keeping it is never wrong; it ends
+/// with the pod. One made after the publish read them (`published` differs) is kept too.
+pub fn keep_overrides(
+    overrides: &mut BTreeMap<PodUid, Vec<GpuShare>>,
+    published: &BTreeMap<PodUid, Vec<GpuShare>>,
+    live: &HashSet<&str>,
+) {
+    overrides.retain(|uid, o| published.get(uid) != Some(o) || live.contains(uid.as_str()));
+}
+
 /// The reservations on the Node that are over (their uids): the pod's every app container is
 /// allocated and configured here (the inventory counts it now), the pod has finished, or no
 /// pod with that uid is bound here `grace_ms` after the reservation was made (a bind that
@@ -1092,6 +1107,50 @@ mod tests {
             partner(&pods, &h, &x, &x_assigned, &actual, &eff, &same_model),
             None
         );
+    }
+
+    #[test]
+    fn a_published_exchange_is_followed_by_a_reader_holding_the_reservations_from_before_it() {
+        // x was bound to A and y to B; the kubelet admitted y first, so x follows B now.
+        let mut x = pod("x", "t", &[("c", 10, 8)]);
+        assign(&mut x, "c", &[(A, 10, 2)]);
+        let before = Reservations {
+            schema: SCHEMA,
+            pods: vec![Reservation {
+                namespace: "ns".into(),
+                name: "x".into(),
+                uid: x.uid.as_str().into(),
+                created_unix_ms: 0,
+                gpus: vec![GpuShare {
+                    uuid: A.into(),
+                    core_percent: 10,
+                    memory_bytes: 2 << 30,
+                }],
+            }],
+        };
+        let exchanged = vec![GpuShare {
+            uuid: B.into(),
+            core_percent: 10,
+            memory_bytes: 2 << 30,
+        }];
+        let mut overrides = BTreeMap::from([(x.uid.clone(), exchanged.clone())]);
+        // The publisher wrote the exchange into the reservation; a reader read the Node
+        // just before that write.
+        let published = overrides.clone();
+        let live = HashSet::from([x.uid.as_str()]);
+        keep_overrides(&mut overrides, &published, &live);
+        assert_eq!(
+            effective(&x, "c", Some(&before), &overrides).unwrap(),
+            Some(exchanged.clone()),
+            "the reader follows the exchange, not the reservation it read before the write"
+        );
+        // An exchange made after the publisher read the overrides is kept whatever.
+        let mut later = BTreeMap::from([(x.uid.clone(), before.pods[0].gpus.clone())]);
+        keep_overrides(&mut later, &published, &HashSet::new());
+        assert_eq!(later.len(), 1);
+        // The pod is gone: its exchange with it.
+        keep_overrides(&mut overrides, &published, &HashSet::new());
+        assert!(overrides.is_empty());
     }
 
     fn alloc(gpus: &[&str], percent: u32, quota: u64) -> Allocation {
