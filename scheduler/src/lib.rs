@@ -40,6 +40,7 @@ pub mod admission;
 pub mod bind;
 pub mod eligibility;
 pub mod extender;
+pub mod idle;
 pub mod leases;
 pub mod listen;
 pub mod liveness;
