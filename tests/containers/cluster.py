@@ -103,7 +103,8 @@ class NodeInContainer(ClusterNode):
         self.cluster = cluster
         self.container = f"{cluster.network}-{name}"
         self.image = image
-        self.manager_args = ["--kubeconfig", cluster.kubeconfig_in_net, "--node-name", name, *manager_flags]
+        self.base_args = ["--kubeconfig", cluster.kubeconfig_in_net, "--node-name", name]
+        self.manager_args = [*self.base_args, *manager_flags]
         self.manager_container = None
         self.partitioned = False
 
@@ -127,13 +128,13 @@ class NodeInContainer(ClusterNode):
         assert '"ready"' in line, f"kubelet-sim did not start in {self.container}: {line!r}; see {self.root}/kubelet-sim.log"
         return self
 
-    def start_manager(self, *extra):
+    def start_manager(self, *extra, init_again=False):
         assert self.manager_container is None, "the manager's pod is already running"
         self.manager_container = ManagerContainer(
             self, ["--proc-root", self.proc_root, "--log", self.log_level, *(extra or self.manager_args)],
             use_config=False, mounts=[(self.proc_root, True), (self.cluster.kubeconfig_dir, True)],
             omit_hostpaths=["/var/run/cdi"], reuse_library=True, image=self.image,
-            namespaces_of=self.container).start()
+            namespaces_of=self.container, init_again=init_again).start()
         return self
 
     def restart_manager(self):
@@ -146,12 +147,16 @@ class NodeInContainer(ClusterNode):
             self.manager_container = None
         self.manager = None
 
-    def upgrade_manager(self, image):
+    def upgrade_manager(self, image, flags=None):
         """The DaemonSet's rolling update on this node: the old pod is stopped (SIGTERM), the
-        new one started from `image`."""
+        new one started from `image` (`flags`: its manifest's, when that release's differ),
+        its init container first (it installs the image's libvcuda.so beside the running
+        tenants' copy, by rename)."""
         self.stop_manager()
         self.image = image
-        self.start_manager()
+        if flags is not None:
+            self.manager_args = [*self.base_args, *flags]
+        self.start_manager(init_again=True)
         return self
 
     def pod_process(self, admitted, pod, namespace="default"):
@@ -402,6 +407,11 @@ class ContainerCluster:
                            timeout=30)
         assert p.returncode == 0, p.stderr
         return json.loads(p.stdout)
+
+
+# The previous release's product image (scripts/build-images previous): what a rolling upgrade
+# starts from and rolls back to.
+PREVIOUS = "vcuda/vcuda:previous"
 
 
 def images_missing():

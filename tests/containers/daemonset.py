@@ -135,12 +135,12 @@ def env_value(e, fields):
     return fields[path]
 
 
-def install_library(spec, relocated, confdir):
-    """Run the DaemonSet's init container as the manifest has it: it puts the image's
-    libvcuda.so where every container on the node gets it."""
+def install_library(spec, relocated, confdir, image=PRODUCT):
+    """Run the DaemonSet's init container (from `image`) as the manifest has it: it puts the
+    image's libvcuda.so where every container on the node gets it."""
     (init,) = spec["initContainers"]
     args, _, _ = pod_container_args(spec, init, relocated, confdir)
-    p = subprocess.run(["docker", "run", "--rm", "--network", "none", *args, PRODUCT, *init["command"]],
+    p = subprocess.run(["docker", "run", "--rm", "--network", "none", *args, image, *init["command"]],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, f"the init container {init['name']} failed: {p.stderr}"
 
@@ -173,13 +173,15 @@ class ManagerContainer:
     (e.g. node_common's simulated /proc tree); omit_hostpaths: hostPath volumes (by host
     path) not mounted because the node does not have them; reuse_library: the init
     container's library from this process's first install, copied (saves a container run);
-    image: the pod's image (an upgrade's old or new one); namespaces_of: a container whose pid
+    init_again: the init container runs though the library is there (a rolling update's new
+    pod: the kubelet runs every new pod's init containers); image: the pod's image (an upgrade's old or new one); namespaces_of: a container whose pid
     and network namespaces stand for the node's (hostPID), instead of the host's
     (tests/containers/cluster.py: a node that is itself a container)."""
 
     def __init__(self, node, flags=(), caps=None, pod=None, use_config=True, mounts=(), omit_hostpaths=(),
-                 reuse_library=False, image=PRODUCT, namespaces_of=None):
+                 reuse_library=False, image=PRODUCT, namespaces_of=None, init_again=False):
         self.node = node
+        self.image, self.init_again = image, init_again
         self.name = f"vcuda-manager-{secrets.token_hex(4)}"
         spec, c, data = pod or manifest()
         self.spec = spec
@@ -245,7 +247,9 @@ class ManagerContainer:
     def start(self):
         self.node.sim.status()  # gpusim's state exists before it is mounted (the driver is loaded)
         lib = self.libdir / "libvcuda.so"
-        if lib.exists():
+        if self.init_again:
+            install_library(self.spec, self.relocated, self.confdir, self.image)
+        elif lib.exists():
             pass  # the pod restarts: its init container ran when it was first started
         elif self.reuse_library:
             # The init container's result in this process's first run, copied (it installs
@@ -258,7 +262,7 @@ class ManagerContainer:
             self.libdir.mkdir(parents=True, exist_ok=True)
             shutil.copy2(_installed["lib"], lib)
         else:
-            install_library(self.spec, self.relocated, self.confdir)
+            install_library(self.spec, self.relocated, self.confdir, self.image)
         self.proc = subprocess.Popen(["docker", *self.args], stdout=subprocess.DEVNULL,
                                      stderr=open(self.node.manager_log, "a"))
         self.node.manager = self.proc

@@ -8,6 +8,7 @@ pods were bound, the Nodes' published inventories), never by what vcuda says of 
 """
 
 import concurrent.futures
+import hashlib
 import os
 import pathlib
 import shutil
@@ -24,7 +25,7 @@ for _d in ("tests/gpusim/e2e", "tests/vcuda", "tests/manager", "tests/containers
     if str(ROOT / _d) not in sys.path:
         sys.path.insert(0, str(ROOT / _d))
 
-from cluster import ContainerCluster, images_missing, progress  # noqa: E402
+from cluster import PREVIOUS, ContainerCluster, images_missing, progress  # noqa: E402
 from daemonset import PRODUCT  # noqa: E402
 from limit_common import Load, Machine  # noqa: E402
 from test_vcuda_limit import ACCURACY, window_slack  # noqa: E402
@@ -346,60 +347,113 @@ def test_a_node_cut_off_keeps_enforcing_refuses_what_it_cannot_verify_and_conver
 
 
 @pytest.fixture(scope="module")
-def next_image():
-    """The DaemonSet's new image: the product image under another name and id (a label), as a
-    release's would be. The binaries are the same: what this proves is the update itself
-    (a new pod, from another image, taking over a node whose containers keep running)."""
-    tag = "vcuda/vcuda:upgrade-test"
-    p = subprocess.run(["docker", "build", "-q", "-t", tag, "-"], input=f"FROM {PRODUCT}\nLABEL vcuda.test.release=next\n",
-                       capture_output=True, text=True, timeout=120)
+def previous_image():
+    """The previous release's product image (scripts/build-images previous: the release
+    PREVIOUS_RELEASE, built from its own tree): a manager that renews no Lease and names none
+    in its inventory, and its own libvcuda.so."""
+    if runtime.image_missing(PREVIOUS):
+        pytest.fail(f"image {PREVIOUS} is missing: run scripts/build-images previous (scripts/test does)")
+    release = runtime.docker("image", "inspect", "-f", '{{ index .Config.Labels "io.vcuda.release" }}', PREVIOUS).stdout.strip()
+    return PREVIOUS, release
+
+
+def image_library_sha256(image):
+    p = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "sha256sum", image,
+                        "/usr/local/vcuda/lib64/libvcuda.so"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
-    yield tag
-    runtime.docker("rmi", tag, check=False)
+    return p.stdout.split()[0]
 
 
-def test_a_rolling_upgrade_and_its_rollback_keep_quotas_shares_and_allocations(cluster, bins, next_image):
+def file_sha256(path):
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+
+
+def names_lease(c, node):
+    return bool((c.inventory(node) or {}).get("lease"))
+
+
+def test_a_rollback_to_the_previous_release_and_the_upgrade_back_keep_quotas_shares_and_allocations(
+        cluster, bins, previous_image):
+    """The DaemonSet rolled back to the previous release (its own binaries: an older manager
+    reading this one's state, and an older libvcuda installed for new pods), then upgraded
+    again, node by node. Tenants started under either release keep running with the library
+    they loaded, their quota and their share, whichever manager serves them; the scheduler
+    places on a node whose manager names no Lease (not judged lost by the Lease the newer
+    manager left behind), and the Lease is named again after the upgrade."""
     c = cluster
+    previous, release = previous_image
+    old_lib, new_lib = image_library_sha256(previous), image_library_sha256(PRODUCT)
+    progress(f"previous release {release[:12]}: libvcuda.so {old_lib[:12]}, this tree's {new_lib[:12]}")
     tools = workloads(c, bins)
     tenants = {}
     for i, n in enumerate(c.nodes):
         out = place_on(c, f"up-{i}", n, [("main", 30, 16)])  # 30 % and 4 GiB on each node
         proc = c.nodes[n].pod_process(out.result, f"up-{i}")
+        assert file_sha256(proc.env["LD_PRELOAD"]) == new_lib
         tenants[n] = (proc, proc.hold(tools["fill"], 2048), gpu_of(c, n, out))
     truths = {n: truth(c, n) for n in c.nodes}
-    loads = {n: start_load(tenants[n][0], tools["load"], 60) for n in c.nodes}
+    loads = {n: start_load(tenants[n][0], tools["load"], 90) for n in c.nodes}
     t0 = time.monotonic()
     before = allocated(c)
     wait_published(c)
 
-    def roll(image):
+    rolled = {}
+
+    def roll(image, flags, lib):
         for n, node in c.nodes.items():
-            node.upgrade_manager(image)
+            node.upgrade_manager(image, flags)
+            rolled[n] = time.monotonic()
             node.wait_registered(timeout=30)
             # The node is whole again before the next one is touched (maxUnavailable: 1).
             wait_published(c, [n])
-            assert allocated(c) == before, f"no allocation is lost upgrading {n}"
+            assert allocated(c) == before, f"no allocation is lost moving {n} to {image}"
+            # This release's manager names its Lease in the inventory; the previous one's does not.
+            wait_for(f"{n}'s inventory from the {image} manager", lambda: names_lease(c, n) == (image == PRODUCT),
+                     timeout=20)
             got_mib, printed = fill(tenants[n][0], {"fill": tools["fill"]}, 4096)
-            assert got_mib <= 2048, f"{n}: the quota holds after the new manager took over: {got_mib} MiB\n{printed}"
+            assert got_mib <= 2048, f"{n}: the quota holds after the {image} manager took over: {got_mib} MiB\n{printed}"
+            assert file_sha256(node.root / "library" / "libvcuda.so") == lib, f"{n}: {image}'s init container installed its library"
             progress(f"{n}: manager now from {image}")
 
-    roll(next_image)
-    roll(PRODUCT)  # the rollback
+    roll(previous, [], old_lib)  # the rollback to the previous release's manifest (no --lease-duration)
+    # Under the previous release: a node whose manager names no Lease is placed on (not lost),
+    # and a pod started now runs the previous library.
+    n0 = "gpu-node-0"
+    # Past the point where the Lease this release's manager left behind would make n0 lost,
+    # were it still judged by it (a negative: nothing to wait for but the time).
+    time.sleep(max(0.0, rolled[n0] + LEASE + 2 * POLL + 0.5 - time.monotonic()))
+    out = place_on(c, "on-previous", n0, [("main", 20, 16)])  # 20 % and 4 GiB
+    old = c.nodes[n0].pod_process(out.result, "on-previous")
+    assert file_sha256(old.env["LD_PRELOAD"]) == old_lib
+    old_holder = old.hold(tools["fill"], 1024)
+    old_truth = truth(c, n0)
+    old_load, old_pid = start_load(old, tools["load"], 60)
+    t_old = time.monotonic()
+    before = allocated(c)
+    roll(PRODUCT, MANAGER_FLAGS, new_lib)  # the upgrade back to this release
     t1 = time.monotonic()
+    # The tenants that loaded the previous library, served by this release's manager: the new
+    # library in a new process of the same container shares the container's quota with them.
+    got_mib, printed = fill(old, {"fill": tools["fill"]}, 4096)
+    progress(f"{n0}: a new process beside the previous library's holder (1 GiB) and load got {got_mib} MiB of the 4 GiB quota")
+    assert 0 < got_mib <= 3072, f"a new process beside the previous library's holder got {got_mib} MiB of 4096 - 1024\n{printed}"
+    share = Load(old_truth, gpu_of(c, n0, out), old, old_pid, t_old).util(0.5, t1 - t_old)
+    progress(f"{n0}: the 20 % tenant on the previous library got {share * 100:.1f} % through the upgrade ({t1 - t_old:.0f} s)")
+    assert abs(share - 0.20) <= ACCURACY, f"the previous library's share holds under the new manager: {share * 100:.1f} %"
     for n, (p, pid) in loads.items():
         load = Load(truths[n], tenants[n][2], p, pid, t0)
         share, worst = load.util(0.5, t1 - t0), max(truths[n].windows(load, 0.5, t1 - t0))
-        progress(f"{n}: the 30 % tenant got {share * 100:.1f} % over the upgrade and rollback ({t1 - t0:.0f} s), "
+        progress(f"{n}: the 30 % tenant got {share * 100:.1f} % over the rollback and upgrade ({t1 - t0:.0f} s), "
                  f"worst 1 s window {worst * 100:.1f} %")
-        assert abs(share - 0.30) <= ACCURACY, f"{n}: the share holds through the upgrade: {share * 100:.1f} %"
+        assert abs(share - 0.30) <= ACCURACY, f"{n}: the share holds through the rollback and upgrade: {share * 100:.1f} %"
         assert worst <= 0.30 + window_slack("spin_1ms", 0.30), f"{n}: a 1 s window reached {worst * 100:.1f} %"
-    for n, (proc, holder, _) in tenants.items():
-        assert holder.poll() is None, f"{n}: the tenant holding 2 GiB still runs"
+    for n, (proc, holder, _) in [*tenants.items(), (n0, (old, old_holder, None))]:
+        assert holder.poll() is None, f"{n}: the tenant holding memory still runs"
         holder.stdin.close()
         holder.wait(timeout=30)
-    for p, _ in loads.values():
+    for p, _ in [*loads.values(), (old_load, old_pid)]:
         p.kill()
-    for m in truths.values():
+    for m in [*truths.values(), old_truth]:
         m.stop()
-    place_on(c, "after-upgrade", "gpu-node-0", [("main", 20, 8)])
+    place_on(c, "after-upgrade", "gpu-node-1", [("main", 20, 8)])
     assert_not_overcommitted(c)
