@@ -8,6 +8,9 @@
 //! daemon's registration cycle and shown as `vcuda_kubelet_registered`.
 //! Every metric, its labels and unit are listed in `manager/README.md`; gpu-manager's four
 //! metric names are served too, with its labels, so existing dashboards keep working.
+//! [`serve`] holds its clients to [`LIMITS`] (`vcuda-listen`: a connection cap with
+//! longest-idle eviction, header and body deadlines), so a tenant opening connections to the
+//! port can neither hold scrapes off nor exhaust the descriptors the device plugin needs.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -484,15 +487,31 @@ fn compat_families(r: &mut Registry, v: &View, node: &str) {
     }
 }
 
-/// Serve `GET /metrics` on `addr` until the process ends. Returns the bound address (port 0
-/// picks a free one).
+/// What any client of `/metrics` can hold: the port listens on the pod IP (hostNetwork:
+/// the node's), which tenant pods reach wherever NetworkPolicy is not enforced, and the
+/// manager shares its descriptors (and its one runtime thread) with the kubelet's device
+/// plugin and the control socket. 16 connections (Prometheus keeps one per scrape target;
+/// when all are held, the one idle the longest makes room for a new one), each request's
+/// headers within 10 s and its body (a scrape has none) within 10 s; more wait in an accept
+/// queue of [`vcuda_listen::BACKLOG`], which costs no descriptor.
+pub const LIMITS: vcuda_listen::Limits = vcuda_listen::Limits {
+    header_timeout: std::time::Duration::from_secs(10),
+    body_timeout: std::time::Duration::from_secs(10),
+    max_connections: 16,
+};
+
+/// The largest request body read: a scrape sends none.
+pub const MAX_BODY: usize = 0;
+
+/// Serve `GET /metrics` on `addr` until the process ends, held to [`LIMITS`]. Returns the
+/// bound address (port 0 picks a free one).
 pub async fn serve(
     addr: SocketAddr,
     view: Arc<parking_lot::Mutex<View>>,
     registered: Arc<Registered>,
     node: String,
 ) -> std::io::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let listener = vcuda_listen::bind(addr)?;
     let bound = listener.local_addr()?;
     let app = axum::Router::new().route(
         "/metrics",
@@ -511,7 +530,8 @@ pub async fn serve(
         }),
     );
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        let served = vcuda_listen::serve(listener, app, vcuda_listen::Plain, LIMITS, MAX_BODY);
+        if let Err(e) = served.await {
             tracing::error!(error = %e, "the metrics endpoint stopped");
         }
     });

@@ -30,8 +30,8 @@
 //! - [`leases`] — the Lease watch: lists the managers' Leases every `--lease-poll`, feeds
 //!   the liveness tracker, logs nodes lost (with their pods) and back.
 //! - [`listen`] — the HTTPS listener: kube-scheduler's client certificate required,
-//!   handshake/header/body deadlines, a connection cap; and the plain-HTTP `/metrics`
-//!   listener.
+//!   handshake/header/body deadlines, a connection cap (the accept loop is `vcuda-listen`'s);
+//!   and the plain-HTTP `/metrics` listener.
 //! - [`metrics`] — the Prometheus registry the handlers count in (no I/O itself).
 
 #![forbid(unsafe_code)]
@@ -40,7 +40,6 @@ pub mod admission;
 pub mod bind;
 pub mod eligibility;
 pub mod extender;
-pub mod idle;
 pub mod leases;
 pub mod listen;
 pub mod liveness;

@@ -209,8 +209,9 @@ async fn main() -> anyhow::Result<()> {
         },
     ));
     let app = router(state, &args.url_prefix, metrics.clone());
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
+    // an accept queue of listen::BACKLOG (1024), not 128: a flood of idle connections beyond
+    // the permits waits there, and a new client still finds a place behind it
+    let listener = listen::bind(args.listen)
         .with_context(|| format!("cannot listen on {}; choose another --listen", args.listen))?;
     let addr = listener.local_addr()?;
     let limits = listen::Limits {
@@ -221,7 +222,7 @@ async fn main() -> anyhow::Result<()> {
     let metrics_addr = match args.metrics_address.0 {
         None => None,
         Some(a) => {
-            let l = tokio::net::TcpListener::bind(a).await.with_context(|| {
+            let l = listen::bind(a).with_context(|| {
                 format!("cannot serve metrics on {a}; choose another --metrics-address, or off")
             })?;
             let bound = l.local_addr()?;

@@ -2,7 +2,7 @@
 //! the time and does the closing).
 //!
 //! A connection is *idle* while no request is in progress on it: from its accept until its
-//! first request's headers have been read (the TLS handshake included), and between
+//! first request's headers have been read (its handshake, TLS say, included), and between
 //! keep-alive requests. When every permit is held and a new connection arrives, the one
 //! idle the longest makes room, once it has been idle for at least the grace the caller
 //! gives (so a client that has just connected can send its request before a flood of newer
