@@ -15,6 +15,8 @@
 //! - [`identity`]: pod cgroups, the kubelet's checkpoint, /proc fields (parsers over text
 //!   the daemon read);
 //! - [`inventory`]: the node's GPUs as found at start, and the XID health rule;
+//! - [`modes`]: the three sharing modes (whole GPUs, slices, shares), the resources each
+//!   advertises, and each GPU locked to the first mode that uses it;
 //! - [`lease`]: the node Lease that proves the manager alive to the scheduler (its name,
 //!   body after each renewal, and renewal cadence);
 //! - [`watchdog`]: the verdicts on a container that runs over its memory quota or compute
@@ -31,6 +33,7 @@ pub mod identity;
 pub mod ids;
 pub mod inventory;
 pub mod lease;
+pub mod modes;
 pub mod placement;
 pub mod rounds;
 pub mod watchdog;
