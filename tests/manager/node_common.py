@@ -11,10 +11,13 @@ pid, same start time).
 import json
 import os
 import pathlib
+import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import tomllib
 
@@ -381,3 +384,75 @@ def fill(container, bins, max_mib, step=256):
     p.wait(timeout=30)
     held = [int(w) for line in out.splitlines() if "holds" in line for w in line.split() if w.isdigit()]
     return (held[0] if held else 0), out
+
+
+class Flood:
+    """An attacker holding a port (HOST:PORT) of a daemon: `n` connections that send `first`
+    (nothing: idle) and then wait, each reopened as soon as the server closes it, until
+    `stop()`. `holding` is set once `holding_at` (default `n`) connections were established.
+    The threat model's tenant reaching a metrics or extender port (tests/manager's and
+    tests/scheduler's flood tests)."""
+
+    def __init__(self, addr, n, first=b"", holding_at=None):
+        host, port = addr.rsplit(":", 1)
+        self.addr, self.first = (host, int(port)), first
+        self.holding_at = n if holding_at is None else holding_at
+        self.sel = selectors.DefaultSelector()
+        self.connected = 0  # connections established (reconnections included)
+        self.closed = 0  # connections the server closed (each reopened at once)
+        self.answers = []  # what the server sent before closing, if anything
+        self.done = threading.Event()
+        self.holding = threading.Event()
+        for _ in range(n):
+            self._open()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _open(self):
+        # non-blocking, as an attacker would: a connect the kernel's full accept queue holds
+        # back (its SYN dropped and retried) does not stop the others
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        s.connect_ex(self.addr)
+        self.sel.register(s, selectors.EVENT_WRITE, None)
+
+    def _closed(self, s, got, connected=True):
+        self.sel.unregister(s)
+        s.close()
+        self.closed += connected
+        if got:
+            self.answers.append(bytes(got))
+        self._open()
+
+    def _run(self):
+        while not self.done.is_set():
+            for key, _ in self.sel.select(timeout=0.1):
+                s, got = key.fileobj, key.data
+                if got is None:  # connected, or refused
+                    if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                        self._closed(s, b"", connected=False)
+                        continue
+                    self.connected += 1
+                    if self.connected >= self.holding_at:
+                        self.holding.set()
+                    if self.first:
+                        s.send(self.first)
+                    self.sel.modify(s, selectors.EVENT_READ, bytearray())
+                    continue
+                try:
+                    chunk = s.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:  # reset
+                    chunk = b""
+                if chunk:
+                    got += chunk
+                else:
+                    self._closed(s, got)
+
+    def stop(self):
+        self.done.set()
+        self.thread.join(timeout=10)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()

@@ -17,15 +17,13 @@ limit nor the attacker's count matters to it.
 
 import os
 import re
-import selectors
 import socket
-import threading
 import time
 import urllib.request
 
 import pytest
 
-from node_common import Node, parse_metrics, wait_for
+from node_common import Flood, Node, parse_metrics, wait_for
 
 NOFILE = 256
 FLOOD = 300
@@ -38,68 +36,6 @@ def node(sim, tmp_path):
     n.start_kubelet().start_manager().wait_registered()
     yield n
     n.close()
-
-
-class Flood:
-    """An attacker holding a port: `n` connections that send nothing, each reopened as soon
-    as the server closes it, until `stop()` (the pattern of tests/scheduler's flood)."""
-
-    def __init__(self, addr, n):
-        host, port = addr.rsplit(":", 1)
-        self.addr = (host, int(port))
-        self.sel = selectors.DefaultSelector()
-        self.connected = 0  # connections established (reconnections included)
-        self.closed = 0  # connections the server closed (each reopened at once)
-        self.done = threading.Event()
-        self.holding = threading.Event()  # `n` connections established
-        self.n = n
-        for _ in range(n):
-            self._open()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _open(self):
-        # non-blocking, as an attacker would: a connect the kernel's full accept queue holds
-        # back (its SYN dropped and retried) does not stop the others
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setblocking(False)
-        s.connect_ex(self.addr)
-        self.sel.register(s, selectors.EVENT_WRITE, None)
-
-    def _closed(self, s, connected=True):
-        self.sel.unregister(s)
-        s.close()
-        self.closed += connected
-        self._open()
-
-    def _run(self):
-        while not self.done.is_set():
-            for key, _ in self.sel.select(timeout=0.1):
-                s = key.fileobj
-                if key.data is None:  # connected, or refused
-                    if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                        self._closed(s, connected=False)
-                        continue
-                    self.connected += 1
-                    if self.connected >= self.n:
-                        self.holding.set()
-                    self.sel.modify(s, selectors.EVENT_READ, True)
-                    continue
-                try:
-                    chunk = s.recv(4096)
-                except BlockingIOError:
-                    continue
-                except OSError:  # reset
-                    chunk = b""
-                if not chunk:
-                    self._closed(s)
-
-    def stop(self):
-        self.done.set()
-        self.thread.join(timeout=10)
-        for key in list(self.sel.get_map().values()):
-            key.fileobj.close()
-        self.sel.close()
 
 
 def fds(pid):

@@ -8,11 +8,9 @@ import json
 import os
 import pathlib
 import re
-import selectors
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +23,7 @@ from test_scheduler import BIN, Cluster, bind, extender_args, verb  # noqa: E402
 
 for _d in ("manager", "gpusim/e2e"):  # node_common (the metrics parser) and what it imports
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / _d))
-from node_common import parse_metrics  # noqa: E402
+from node_common import Flood, parse_metrics  # noqa: E402
 
 
 @pytest.fixture
@@ -131,74 +129,6 @@ def test_metrics_address_off_serves_nothing_and_a_bad_one_is_refused(cluster):
     assert bad.returncode != 0 and "--metrics-address" in bad.stderr and "off" in bad.stderr, bad.stderr
 
 
-class Flood:
-    """An attacker holding a port: `n` connections that send `first` (nothing: idle) and then
-    wait, each reopened as soon as the server closes it, until `stop()`."""
-
-    def __init__(self, addr, n, first=b""):
-        host, port = addr.rsplit(":", 1)
-        self.addr, self.first = (host, int(port)), first
-        self.sel = selectors.DefaultSelector()
-        self.connected = 0  # connections established (reconnections included)
-        self.closed = 0  # connections the server closed (each reopened at once)
-        self.answers = []  # what the server sent before closing, if anything
-        self.done = threading.Event()
-        self.holding = threading.Event()  # 64 connected: 4 times the permits, at least
-        for _ in range(n):
-            self._open()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _open(self):
-        # non-blocking, as an attacker would: a connect the kernel's full accept queue holds
-        # back (its SYN dropped and retried) does not stop the others
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setblocking(False)
-        s.connect_ex(self.addr)
-        self.sel.register(s, selectors.EVENT_WRITE, None)
-
-    def _closed(self, s, got, connected=True):
-        self.sel.unregister(s)
-        s.close()
-        self.closed += connected
-        if got:
-            self.answers.append(bytes(got))
-        self._open()
-
-    def _run(self):
-        while not self.done.is_set():
-            for key, _ in self.sel.select(timeout=0.1):
-                s, got = key.fileobj, key.data
-                if got is None:  # connected, or refused
-                    if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                        self._closed(s, b"", connected=False)
-                        continue
-                    self.connected += 1
-                    if self.connected >= 64:
-                        self.holding.set()
-                    if self.first:
-                        s.send(self.first)
-                    self.sel.modify(s, selectors.EVENT_READ, bytearray())
-                    continue
-                try:
-                    chunk = s.recv(4096)
-                except BlockingIOError:
-                    continue
-                except OSError:  # reset
-                    chunk = b""
-                if chunk:
-                    got += chunk
-                else:
-                    self._closed(s, got)
-
-    def stop(self):
-        self.done.set()
-        self.thread.join(timeout=10)
-        for key in list(self.sel.get_map().values()):
-            key.fileobj.close()
-        self.sel.close()
-
-
 def timed(what, call, within):
     """`call()`'s result and how long it took; fails if it did not answer within `within` s."""
     started = time.monotonic()
@@ -225,8 +155,9 @@ def test_a_flood_of_idle_connections_delays_neither_a_scrape_nor_a_verb_beyond_a
     cluster.node("n1", [(0, 0)])
     cluster.pod("p", 10, 4)
     s, ready, _ = start(cluster, "--metrics-address", "127.0.0.1:0", "--max-connections", "16")
-    floods = [Flood(ready["metrics"], 100), Flood(ready["metrics"], 20, b"GET /metrics HTTP/1.1\r\nHost: x\r\n"),
-              Flood(s.split("://", 1)[1], 100)]
+    floods = [Flood(ready["metrics"], 100, holding_at=64),
+              Flood(ready["metrics"], 20, b"GET /metrics HTTP/1.1\r\nHost: x\r\n", holding_at=64),
+              Flood(s.split("://", 1)[1], 100, holding_at=64)]
     try:
         for f in (floods[0], floods[2]):
             assert f.holding.wait(10), f"the flood could not connect: {f.connected} connections"
