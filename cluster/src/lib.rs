@@ -164,6 +164,43 @@ pub struct GpuInventory {
     /// What the kubelet has allocated on the GPU.
     #[serde(default)]
     pub allocated: Allocated,
+    /// The sharing mode the GPU is locked to (its first allocation's, until its last one in
+    /// that mode ends); `None` while it is unlocked, and from writers before modes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<GpuMode>,
+    /// How many of its slices are held (slice mode); 0 otherwise.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub slices_held: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A sharing mode of a node's GPUs (issue 19, seed 002's mixed deployment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum GpuMode {
+    /// Whole GPUs, exclusive (the resource named by [`NodeModes::whole_resource`]).
+    Whole,
+    /// K equal slices per GPU ([`NodeModes::slice_resource`]), n slices on n GPUs.
+    Slice,
+    /// `vcuda-core` + `vcuda-memory` shares.
+    Shared,
+}
+
+/// Which sharing modes a node serves and how ([`NodeInventory::modes`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeModes {
+    /// The modes enabled on the node.
+    pub enabled: Vec<GpuMode>,
+    /// Slices per GPU (K).
+    pub slices: u32,
+    /// The whole-GPU resource's name, e.g. `nvidia.com/gpu`.
+    pub whole_resource: String,
+    /// The slice resource's name, `<domain>/sgpu`.
+    pub slice_resource: String,
 }
 
 impl GpuInventory {
@@ -205,6 +242,10 @@ pub struct NodeInventory {
     /// checked for liveness.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease: Option<LeaseRef>,
+    /// The sharing modes the node serves (optional: absent from older writers and from a
+    /// node serving shares only, which means [`GpuMode::Shared`] alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modes: Option<NodeModes>,
 }
 
 /// Which Lease proves a node's vcuda-manager alive, and for how long one renewal counts.
@@ -331,6 +372,8 @@ mod tests {
                         core_percent: 30,
                         memory_bytes: 4 << 30,
                     },
+                    mode: None,
+                    slices_held: 0,
                 },
                 GpuInventory {
                     index: 1,
@@ -345,10 +388,13 @@ mod tests {
                     }],
                     healthy: false,
                     allocated: Allocated::default(),
+                    mode: None,
+                    slices_held: 0,
                 },
             ],
             pods: vec![],
             lease: None,
+            modes: None,
         }
     }
 

@@ -26,7 +26,7 @@ use crate::state::Shared;
 use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, ProcessView, View, SCHEMA};
 use vcuda_manager_core::allocation::Allocation;
 use vcuda_manager_core::identity;
-use vcuda_manager_core::ids::{AllocationId, Kind, PodUid};
+use vcuda_manager_core::ids::{AllocationId, PodUid};
 use vcuda_manager_core::rounds::{
     self, Action, Cadence, Event, Faults, Rounds, Step, Utilization, Verdict,
 };
@@ -594,7 +594,9 @@ impl Shell {
             violated: rounds.memory_violations(),
             compute_violated: rounds.compute_violations(),
         };
-        *self.shared.view.lock() = observed.view();
+        let mut view = observed.view();
+        view.modes = self.shared.core.lock().locks.mode_views();
+        *self.shared.view.lock() = view;
         Event::Done {
             now_ms: self.now_ms(),
         }
@@ -676,6 +678,7 @@ impl Observed<'_> {
     /// The view `vcuda-smi` and `/metrics` show after this round.
     fn view(&self) -> View {
         View {
+            modes: Vec::new(),
             schema: SCHEMA,
             scope: "node".into(),
             taken_unix: SystemTime::now()
@@ -794,22 +797,20 @@ impl Observed<'_> {
 
 /// Remove allocations no container holds any more (per PodResources), after a grace period.
 async fn collect(shared: &Shared, settings: &Settings) {
-    let Ok(list) = shared.fresh_list(&settings.pod_resources_socket).await else {
-        return;
-    };
-    let core_name = Kind::Core.resource(&settings.domain);
-    let held: HashSet<&str> = list
-        .pod_resources
-        .iter()
-        .flat_map(|p| &p.containers)
-        .flat_map(|c| &c.devices)
-        .filter(|d| d.resource_name == core_name)
-        .flat_map(|d| d.device_ids.iter().map(String::as_str))
-        .collect();
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
+    let asked = shared.core.lock().locks.asked(now);
+    let Ok(list) = shared.fresh_list(&settings.pod_resources_socket).await else {
+        return;
+    };
+    // Every resource's IDs: a share allocation is keyed by its vcuda-core IDs, a slice
+    // allocation by its sgpu IDs, and the mode locks by any of ours.
+    let held: HashSet<&str> = crate::podresources::held_ids(&list);
     let mut core = shared.core.lock();
+    if core.locks.release_gone(&|id| held.contains(id), asked) > 0 {
+        core.changed.notify_one(); // the inventory shows the GPUs unlocked
+    }
     let gone = rounds::collectable(core.allocations(), &|c| held.contains(c), now);
     for id in gone {
         info!(allocation = %id, "its container is gone: removing the allocation");
@@ -888,6 +889,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let uuid = [7u8; 16];
         let alloc = |id: &str| Allocation {
+            slice: false,
             id: id.into(),
             cores: vec![],
             gpus: vec!["GPU-7".into()],

@@ -15,9 +15,10 @@ use vcuda_contract::region_file::{RegionFault, RegionFile};
 use crate::cdi::{CdiError, SpecDir};
 use crate::files::{create_dir, remove_dir, write_atomic, FileError};
 use crate::journal::{Journal, JournalError};
+use crate::locks::Locks;
 use crate::settings::Settings;
 use vcuda_manager_core::allocation::{
-    answer, container_config, finish, parse_ids, plan, Allocation, Answer, DeviceError,
+    answer, container_config, finish, gpu_answer, parse_ids, plan, Allocation, Answer, DeviceError,
     FinishError, Holdings, Layout, Owner, CONTAINER_LIBRARY,
 };
 use vcuda_manager_core::assign::{
@@ -26,6 +27,7 @@ use vcuda_manager_core::assign::{
 use vcuda_manager_core::identity;
 use vcuda_manager_core::ids::{AllocationId, ContainerRef, DeviceId, Kind, PodUid};
 use vcuda_manager_core::inventory::Inventory;
+use vcuda_manager_core::modes::{GpuSpec, ModeError, Resource, SliceId, Use};
 use vcuda_manager_core::placement::{
     check_memory, preferred, preferred_on, Pairing, PlacementError,
 };
@@ -72,6 +74,15 @@ pub enum CoreError {
     RandomId(getrandom::Error),
     #[error(transparent)]
     Cdi(#[from] CdiError),
+    #[error(transparent)]
+    Mode(#[from] ModeError),
+    #[error("{container} asks for {}: a container gets GPUs of one sharing mode (whole GPUs, slices, or vcuda-core/vcuda-memory shares), each configured its own way; ask for one of them, or split the work into containers", resources.join(" and "))]
+    MixedModes {
+        container: String,
+        resources: Vec<String>,
+    },
+    #[error("the sharing-mode settings do not fit this node's GPUs: {0}")]
+    ModeSettings(#[from] crate::settings::SettingsError),
 }
 
 impl CoreError {
@@ -90,7 +101,23 @@ impl CoreError {
             CoreError::Region(_) => "region",
             CoreError::RandomId(_) => "random-id",
             CoreError::Cdi(e) => e.kind(),
+            CoreError::Mode(e) => e.kind(),
+            CoreError::MixedModes { .. } => "mixed-modes",
+            CoreError::ModeSettings(e) => e.kind(),
         }
+    }
+
+    /// Whether a mode lock refused it because a GPU or device is held (by another mode, or
+    /// another container): worth judging again once ended containers are released.
+    pub fn is_lock_conflict(&self) -> bool {
+        matches!(
+            self,
+            CoreError::Mode(
+                ModeError::LockedToOtherMode { .. }
+                    | ModeError::GpuTaken { .. }
+                    | ModeError::SliceTaken { .. }
+            )
+        )
     }
 
     /// Whether the node is at fault (its files, checkpoint, region, random source), not the
@@ -103,8 +130,11 @@ impl CoreError {
             | CoreError::Assignment(_)
             | CoreError::NotListed { .. }
             | CoreError::MemoryWithoutCore { .. }
-            | CoreError::UnknownCores { .. } => false,
-            CoreError::Files(_)
+            | CoreError::UnknownCores { .. }
+            | CoreError::Mode(_)
+            | CoreError::MixedModes { .. } => false,
+            CoreError::ModeSettings(_)
+            | CoreError::Files(_)
             | CoreError::Journal(_)
             | CoreError::Region(_)
             | CoreError::RandomId(_)
@@ -217,6 +247,8 @@ pub struct Core {
     registrations: BTreeMap<u32, Registration>,
     /// The CDI spec directory (`--cdi`), if it is written or cleaned.
     cdi: Option<SpecDir>,
+    /// Which sharing mode each GPU is locked to, and by which allocations (issue 19).
+    pub locks: Locks,
 }
 
 impl Core {
@@ -275,6 +307,19 @@ impl Core {
             }
         }
         let cdi = SpecDir::open(settings.cdi, &settings.cdi_spec_dir)?;
+        let gpus = inventory
+            .gpus
+            .iter()
+            .map(|g| GpuSpec {
+                uuid: g.uuid.clone(),
+                memory: g.memory,
+            })
+            .collect();
+        let locks = Locks::restore(
+            settings.mode_settings(gpus)?,
+            &read_checkpoint(&settings.kubelet_checkpoint),
+            unix_now(),
+        );
         if let Some(cdi) = &cdi {
             sync_cdi(cdi, &layout, &inventory, &replay.allocations);
         }
@@ -291,6 +336,7 @@ impl Core {
             regions: BTreeMap::new(),
             registrations: BTreeMap::new(),
             cdi,
+            locks,
         })
     }
 
@@ -401,18 +447,19 @@ impl Core {
         let now = self.now();
         if kind == Kind::Memory {
             let placed = check_memory(&self.inventory.node, &parsed)?;
+            self.locks.admit(Resource::Shared(kind), ids, unix_now())?;
             self.pairing.placed(Kind::Memory, &placed.gpus[0], now);
             self.supersede(kind, ids);
             return Ok(Answer::default());
         }
         let (gpus, percent) = plan(&parsed)?;
+        self.locks.admit(Resource::Shared(kind), ids, unix_now())?;
         self.pairing.placed(Kind::Core, &gpus[0], now);
         let mut sorted = ids.to_vec();
         sorted.sort();
         self.supersede(kind, ids);
-        let id = new_id()?;
         let alloc = Allocation {
-            id: id.clone(),
+            id: new_id()?,
             cores: sorted,
             gpus,
             percent,
@@ -421,7 +468,61 @@ impl Core {
             core_limit: None,
             owner: None,
             created: unix_now(),
+            slice: false,
         };
+        self.record(alloc)
+    }
+
+    /// Allocate for a container asking for whole GPUs (issue 19): the GPUs locked to whole
+    /// mode for it, and the answer NVIDIA's device plugin gives (device nodes and
+    /// `NVIDIA_VISIBLE_DEVICES`); no library, no config: nothing is enforced on a GPU of
+    /// its own.
+    pub fn allocate_whole(&mut self, ids: &[String]) -> Result<Answer, CoreError> {
+        self.locks.admit(Resource::Whole, ids, unix_now())?;
+        self.changed.notify_one(); // the inventory shows the GPU's mode
+        let mut a = Answer::default();
+        gpu_answer(&mut a, ids, &self.inventory.gpus);
+        Ok(a)
+    }
+
+    /// Allocate for a container asking for slices (issue 19): n slices on n GPUs, each with
+    /// a memory quota of its GPU's memory / K (the least of them, if the GPUs differ), and
+    /// the same mounts as a share (the library enforces the quota).
+    pub fn allocate_slices(&mut self, ids: &[String]) -> Result<Answer, CoreError> {
+        let settings = self.locks.settings();
+        let slices: Vec<SliceId> = match Use::parse(settings, Resource::Slice, ids)? {
+            Use::Slices(s) => s,
+            _ => Vec::new(),
+        };
+        let quota = slices
+            .iter()
+            .filter_map(|s| settings.slice_memory(&s.uuid))
+            .min()
+            .unwrap_or(0);
+        let percent = settings.slice_percent().unwrap_or(100);
+        self.locks.admit(Resource::Slice, ids, unix_now())?;
+        self.supersede(Kind::Core, ids);
+        let mut sorted = ids.to_vec();
+        sorted.sort();
+        let alloc = Allocation {
+            id: new_id()?,
+            cores: sorted,
+            gpus: slices.into_iter().map(|s| s.uuid).collect(),
+            percent,
+            memory: Vec::new(),
+            quota,
+            core_limit: None,
+            owner: None,
+            created: unix_now(),
+            slice: true,
+        };
+        self.record(alloc)
+    }
+
+    /// Make an allocation's directories, keep it and checkpoint it; its answer (with its
+    /// CDI name when specs are written).
+    fn record(&mut self, alloc: Allocation) -> Result<Answer, CoreError> {
+        let id = alloc.id.clone();
         self.make_dirs(&id)?;
         let mut a = answer(&self.layout, &alloc, &self.inventory.gpus);
         self.allocs.insert(id.clone(), alloc);
@@ -540,6 +641,19 @@ impl Core {
                 socket: self.settings.pod_resources_socket.clone(),
             });
         };
+        self.one_mode(&held)?;
+        if !held.slices.is_empty() {
+            let id = self
+                .by_cores(&held.slices)
+                .map(|a| a.id.clone())
+                .ok_or_else(|| CoreError::UnknownCores {
+                    container: held.who(),
+                    state_dir: self.settings.state_dir.clone(),
+                })?;
+            let quota = self.allocs[&id].quota;
+            let pod_uid = pod_uid.or_else(|| pod.map(|p| p.uid.clone()).filter(|u| !u.is_empty()));
+            return self.configure(&id, &held, quota, pod_uid);
+        }
         if held.cores.is_empty() {
             return Err(CoreError::MemoryWithoutCore {
                 container: held.who(),
@@ -580,7 +694,48 @@ impl Core {
         };
         let quota = finish(&self.inventory.node, alloc, &held, gpu_count)?;
         let pod_uid = pod_uid.or_else(|| pod.map(|p| p.uid.clone()).filter(|u| !u.is_empty()));
-        // The container's other resource, or a restart: nothing changed, nothing to write.
+        self.configure(&id, &held, quota, pod_uid)
+    }
+
+    /// A container gets GPUs of one mode: refuse one whose devices are of two (the whole
+    /// GPU's answer and a share's config would each describe a different container).
+    fn one_mode(&self, held: &Holdings) -> Result<(), CoreError> {
+        let names = self.locks.settings();
+        let asked: Vec<(Resource, &Vec<String>)> = vec![
+            (Resource::Whole, &held.whole),
+            (Resource::Slice, &held.slices),
+            (Resource::Shared(Kind::Core), &held.cores),
+            (Resource::Shared(Kind::Memory), &held.memory),
+        ];
+        let asked: Vec<Resource> = asked
+            .into_iter()
+            .filter(|(_, ids)| !ids.is_empty())
+            .map(|(r, _)| r)
+            .collect();
+        let mut modes: Vec<_> = asked.iter().map(|r| r.mode()).collect();
+        modes.dedup();
+        if modes.len() > 1 {
+            return Err(CoreError::MixedModes {
+                container: held.who(),
+                resources: asked.iter().map(|&r| names.resource_name(r)).collect(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Configure allocation `id` for the container holding `held`: its owner, quota and
+    /// limit, its region and the config the library reads (nothing to do when it was
+    /// configured for this container before: the container's other resource, a restart).
+    fn configure(
+        &mut self,
+        id: &AllocationId,
+        held: &Holdings,
+        quota: u64,
+        pod_uid: Option<PodUid>,
+    ) -> Result<AllocationId, CoreError> {
+        let id = id.clone();
+        let alloc = &self.allocs[&id];
+        let same = alloc.owned_by(held);
         if same && alloc.memory == held.memory && self.layout.config_file(&id).exists() {
             return Ok(id);
         }
@@ -994,12 +1149,105 @@ pub(crate) mod tests {
 
     fn held(pod: &str, cores: Vec<String>, memory: Vec<String>) -> Option<Holdings> {
         Some(Holdings {
+            slices: Vec::new(),
+            whole: Vec::new(),
             namespace: "ns".into(),
             pod: pod.into(),
             container: "c".into(),
             cores,
             memory,
         })
+    }
+
+    /// Issue 19: a whole GPU is answered as NVIDIA's device plugin answers it (its device
+    /// node and `NVIDIA_VISIBLE_DEVICES`, no library) and locks its GPU: a share of it is
+    /// refused with the reason, the other GPU still serves shares.
+    #[test]
+    fn a_whole_gpu_is_answered_without_the_library_and_locks_its_gpu() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = core_with(d.path(), &["--modes", "whole,slice,shared"]);
+        let a = c.allocate_whole(&[U0.to_string()]).unwrap();
+        assert!(
+            a.mounts.is_empty(),
+            "no library, no preload: {:?}",
+            a.mounts
+        );
+        assert_eq!(a.envs["NVIDIA_VISIBLE_DEVICES"], U0);
+        assert!(a.devices.iter().any(|n| n.host == "/dev/nvidia0"));
+        assert!(!a.devices.iter().any(|n| n.host == "/dev/nvidia1"));
+        assert!(!a.envs.contains_key("VCUDA_CONFIG"));
+        let e = c
+            .allocate(Kind::Core, &ids(U0, Kind::Core, 0, 30))
+            .unwrap_err();
+        assert_eq!(e.kind(), "locked-to-other-mode");
+        assert!(e.is_lock_conflict() && !e.is_node_fault());
+        assert!(e.to_string().contains("locked to whole mode"), "{e}");
+        assert_eq!(c.allocations().count(), 0, "refused: nothing recorded");
+        c.allocate(Kind::Core, &ids(U1, Kind::Core, 0, 30)).unwrap();
+        let cap = c.locks.capacity();
+        assert_eq!((cap.whole, cap.slices, cap.cores), (1, 0, 100));
+    }
+
+    /// Issue 19: `sgpu: 2` is two slices on two GPUs, each with a GPU's memory / K and no
+    /// compute limit; PreStartContainer configures it from PodResources' sgpu entry.
+    #[test]
+    fn slices_get_memory_over_k_on_different_gpus_and_are_configured() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = core_with(d.path(), &["--modes", "slice,shared", "--slices", "2"]);
+        let slices = vec![format!("{U0}-sgpu-01"), format!("{U1}-sgpu-00")];
+        let a = c.allocate_slices(&slices).unwrap();
+        assert!(a.mounts.iter().any(|m| m.container == CONTAINER_LIBRARY));
+        let e = c
+            .allocate_slices(&[format!("{U0}-sgpu-00"), format!("{U0}-sgpu-01")])
+            .unwrap_err();
+        assert!(
+            ["slices-on-one-gpu", "slice-taken"].contains(&e.kind()),
+            "{e}"
+        );
+        let mut h = held("p0", Vec::new(), Vec::new()).unwrap();
+        h.slices = slices.clone();
+        let id = c
+            .pre_start(Kind::Core, &slices, Some(h.clone()), Some(PodUid::new("u")))
+            .unwrap();
+        let text = std::fs::read_to_string(c.layout.config_file(&id)).unwrap();
+        assert_eq!(text.matches("memory_mib = 20480").count(), 2, "{text}");
+        assert_eq!(text.matches("core = 100").count(), 2, "{text}");
+        // A container with shares too is refused: one mode per container.
+        h.cores = ids(U0, Kind::Core, 0, 10);
+        let e = c.pre_start(Kind::Core, &slices, Some(h), None).unwrap_err();
+        assert_eq!(e.kind(), "mixed-modes");
+        assert!(
+            e.to_string()
+                .contains("tencent.com/sgpu and tencent.com/vcuda-core"),
+            "{e}"
+        );
+    }
+
+    /// `--slice-compute hard`: each slice is held to 100/K %.
+    #[test]
+    fn hard_slices_are_held_to_their_share_of_compute() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = core_with(
+            d.path(),
+            &[
+                "--modes",
+                "slice",
+                "--slices",
+                "4",
+                "--slice-compute",
+                "hard",
+            ],
+        );
+        let slices = vec![format!("{U0}-sgpu-03")];
+        c.allocate_slices(&slices).unwrap();
+        let mut h = held("p0", Vec::new(), Vec::new()).unwrap();
+        h.slices = slices.clone();
+        let id = c.pre_start(Kind::Core, &slices, Some(h), None).unwrap();
+        let text = std::fs::read_to_string(c.layout.config_file(&id)).unwrap();
+        assert!(
+            text.contains("memory_mib = 10240") && text.contains("core = 25"),
+            "{text}"
+        );
     }
 
     #[test]

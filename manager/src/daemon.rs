@@ -28,8 +28,8 @@ use crate::gpus;
 use crate::plugin::{self, Shares};
 use crate::settings::Settings;
 use crate::state::Shared;
-use vcuda_manager_core::ids::Kind;
 use vcuda_manager_core::inventory::Health;
+use vcuda_manager_core::modes::Resource;
 
 /// Why the manager cannot start (or keep serving): each ends the process with its message
 /// on one line, naming the file, socket or flag and what to do.
@@ -158,12 +158,14 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
         api: api.clone(),
     });
     tokio::spawn(shared.clone().prefetch());
+    tokio::spawn(shared.clone().release_loop());
     if let Some(api) = api {
         tokio::spawn(crate::lease::keep_alive(api.clone()));
         tokio::spawn(crate::publisher::publish_loop(api, shared.clone()));
     }
+    let served = served(&shared);
     let registered = Arc::new(crate::metrics::Registered::new(
-        [Kind::Core, Kind::Memory].map(|k| k.resource(&settings.domain)),
+        served.iter().map(|(_, name)| name.clone()),
     ));
     if let Some(addr) = settings.metrics_address {
         let bound = crate::metrics::serve(
@@ -222,17 +224,17 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
     let mut shutdown = Box::pin(shutdown_signal()?);
     let dir = settings.device_plugin_dir.clone();
     loop {
-        let plugins = Plugins::start(&settings, &shared).await?;
+        let plugins = Plugins::start(&settings, &shared, &served).await?;
         let cycle = async {
             let started = Instant::now();
-            if let Err(why) = register_all(&settings, &registered).await {
+            if let Err(why) = register_all(&settings, &served, &registered).await {
                 return why.to_string();
             }
             info!(
                 elapsed_ms = started.elapsed().as_millis() as u64,
                 "registered with the kubelet"
             );
-            watch_kubelet(&dir).await
+            watch_kubelet(&dir, &served).await
         };
         let outcome = tokio::select! {
             why = cycle => Some(why),
@@ -326,20 +328,38 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, DaemonErro
     })
 }
 
-/// The two device-plugin servers.
+/// The resources this node serves (its enabled modes'), with their full names: the shares
+/// first, as before modes.
+fn served(shared: &Shared) -> Vec<(Resource, String)> {
+    let core = shared.core.lock();
+    let names = core.locks.settings();
+    let mut out: Vec<(Resource, String)> = Resource::ALL
+        .into_iter()
+        .filter(|r| names.enabled(r.mode()))
+        .map(|r| (r, names.resource_name(r)))
+        .collect();
+    out.sort_by_key(|(r, _)| !matches!(r, Resource::Shared(_)));
+    out
+}
+
+/// The device-plugin servers, one per resource served.
 struct Plugins {
     stops: Vec<oneshot::Sender<()>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Plugins {
-    async fn start(settings: &Settings, shared: &Arc<Shared>) -> Result<Plugins, DaemonError> {
+    async fn start(
+        settings: &Settings,
+        shared: &Arc<Shared>,
+        served: &[(Resource, String)],
+    ) -> Result<Plugins, DaemonError> {
         let mut p = Plugins {
             stops: Vec::new(),
             tasks: Vec::new(),
         };
-        for kind in [Kind::Core, Kind::Memory] {
-            let path = settings.device_plugin_dir.join(kind.socket());
+        for &(resource, _) in served {
+            let path = settings.device_plugin_dir.join(plugin::socket(resource));
             let _ = std::fs::remove_file(&path);
             let listener = tokio::net::UnixListener::bind(&path).map_err(|source| {
                 DaemonError::PluginSocket {
@@ -349,7 +369,7 @@ impl Plugins {
             })?;
             let (tx, rx) = oneshot::channel();
             let svc = dp::device_plugin_server::DevicePluginServer::new(Server::new(Shares::new(
-                kind,
+                resource,
                 shared.clone(),
             )));
             let task = tokio::spawn(async move {
@@ -385,22 +405,23 @@ impl Plugins {
 /// dial it back.
 async fn register_all(
     settings: &Settings,
+    served: &[(Resource, String)],
     registered: &crate::metrics::Registered,
 ) -> Result<(), RegisterError> {
-    for kind in [Kind::Core, Kind::Memory] {
+    for (resource, name) in served {
         let mut delay = Duration::from_millis(50);
         loop {
-            let ours = settings.device_plugin_dir.join(kind.socket());
+            let ours = settings.device_plugin_dir.join(plugin::socket(*resource));
             if !ours.exists() {
                 return Err(RegisterError::SocketGone { path: ours });
             }
-            match register(settings, kind).await {
+            match register(settings, *resource, name).await {
                 Ok(()) => {
-                    registered.accepted(&kind.resource(&settings.domain));
+                    registered.accepted(name);
                     break;
                 }
                 Err(e) => {
-                    warn!(resource = %kind.resource(&settings.domain), error = %e, kind = e.kind(), "registration failed; retrying");
+                    warn!(resource = %name, error = %e, kind = e.kind(), "registration failed; retrying");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(1));
                 }
@@ -410,7 +431,11 @@ async fn register_all(
     Ok(())
 }
 
-async fn register(settings: &Settings, kind: Kind) -> Result<(), RegisterError> {
+async fn register(
+    settings: &Settings,
+    resource: Resource,
+    name: &str,
+) -> Result<(), RegisterError> {
     let sock = settings.device_plugin_dir.join("kubelet.sock");
     let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
         .connect_timeout(Duration::from_secs(2))
@@ -422,27 +447,29 @@ async fn register(settings: &Settings, kind: Kind) -> Result<(), RegisterError> 
             source,
         })?;
     let mut client = dp::registration_client::RegistrationClient::new(channel);
-    let resource = kind.resource(&settings.domain);
     client
         .register(dp::RegisterRequest {
             version: constants::VERSION.into(),
-            endpoint: kind.socket().into(),
-            resource_name: resource.clone(),
-            options: Some(plugin::options()),
+            endpoint: plugin::socket(resource).into(),
+            resource_name: name.to_string(),
+            options: Some(plugin::options_of(resource)),
         })
         .await
-        .map_err(|status| RegisterError::Refused { resource, status })?;
+        .map_err(|status| RegisterError::Refused {
+            resource: name.to_string(),
+            status,
+        })?;
     Ok(())
 }
 
 /// Resolves when the kubelet restarts: `kubelet.sock` is created again, or one of our
 /// sockets is deleted (the kubelet deletes plugin sockets when it starts). Watches the
 /// directory (a watched socket inode goes stale), with a 1 s poll as a safety net.
-async fn watch_kubelet(dir: &Path) -> String {
+async fn watch_kubelet(dir: &Path, served: &[(Resource, String)]) -> String {
     let (tx, mut rx) = mpsc::unbounded_channel::<String>();
-    let ours: Vec<PathBuf> = [Kind::Core, Kind::Memory]
+    let ours: Vec<PathBuf> = served
         .iter()
-        .map(|k| dir.join(k.socket()))
+        .map(|(r, _)| dir.join(plugin::socket(*r)))
         .collect();
     let kubelet = dir.join("kubelet.sock");
     let watcher = {

@@ -288,6 +288,7 @@ mod tests {
 
     fn alloc(id: &str, quota: u64) -> Allocation {
         Allocation {
+            slice: false,
             id: id.into(),
             cores: vec![format!("{id}-core")],
             gpus: vec!["GPU-0".into()],

@@ -38,6 +38,7 @@ pub mod follow;
 pub mod gpus;
 pub mod journal;
 pub mod lease;
+pub mod locks;
 pub mod lookup;
 pub mod metrics;
 pub mod plugin;

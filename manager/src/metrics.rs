@@ -22,12 +22,24 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
-use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuView, View};
+use vcuda_contract::view::{ContainerGpuView, ContainerView, GpuModeView, GpuView, View};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GpuLabels {
     gpu: String,
     uuid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuModeLabels {
+    gpu: String,
+    uuid: String,
+    mode: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModeLabels {
+    mode: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -159,6 +171,7 @@ pub fn encode(v: &View, node: &str, registered: &[(String, bool)]) -> String {
     let r = root.sub_registry_with_prefix("vcuda");
     kubelet_registered(r, registered);
     gpu_families(r, v);
+    mode_families(r, v);
     container_gauges(r, v);
     container_counters(r, v);
     compat_families(&mut root, v, node);
@@ -242,6 +255,110 @@ fn gpu_families(r: &mut Registry, v: &View) {
         bytes,
         |g| Some(int(g.memory_allocated_bytes)),
     );
+}
+
+/// The sharing modes (issue 19), in the order `vcuda_gpu_mode` and `vcuda_mode_gpus` list
+/// them; `unlocked` is a GPU locked to none.
+const MODES: [&str; 4] = ["whole", "slice", "shared", "unlocked"];
+
+/// A GPU's mode as the metrics name it: `unlocked` for none.
+fn mode_name(m: &GpuModeView) -> &str {
+    if m.mode.is_empty() {
+        "unlocked"
+    } else {
+        &m.mode
+    }
+}
+
+/// `vcuda_gpu_mode`, `vcuda_gpu_serving`, `vcuda_gpu_slices(_held)` and `vcuda_mode_gpus`:
+/// the sharing modes. None of these families exists when the view carries no modes (a
+/// manager before modes), so such a view encodes exactly as before; the slice counts exist
+/// only while slice mode is enabled.
+fn mode_families(r: &mut Registry, v: &View) {
+    if v.modes.is_empty() {
+        return;
+    }
+    // The GPU's NVML index, as the other `vcuda_gpu_*` label it (the modes name it by UUID).
+    let gpu = |m: &GpuModeView| GpuLabels {
+        gpu: v
+            .gpus
+            .iter()
+            .find(|g| g.uuid == m.uuid)
+            .map_or_else(String::new, |g| g.index.to_string()),
+        uuid: m.uuid.clone(),
+    };
+    let labels = |m: &GpuModeView, mode: &str| {
+        let GpuLabels { gpu, uuid } = gpu(m);
+        GpuModeLabels {
+            gpu,
+            uuid,
+            mode: mode.to_string(),
+        }
+    };
+    let gpu_mode = family::<Gauge, GpuModeLabels>(
+        r,
+        "gpu_mode",
+        "1 for the sharing mode the GPU is locked to (whole, slice, shared; unlocked while it is locked to none), 0 for the others",
+        None,
+    );
+    let serving = family::<Gauge, GpuModeLabels>(
+        r,
+        "gpu_serving",
+        "1 for each mode whose devices the GPU lists to the kubelet now, 0 for a mode withdrawn (the GPU is locked to another) or not enabled on the node",
+        None,
+    );
+    // K is the node's: every GPU has slices or none does (slice mode off).
+    let sliced = v.modes.iter().any(|m| m.slices > 0);
+    let slices = sliced.then(|| {
+        (
+            family::<Gauge, GpuLabels>(
+                r,
+                "gpu_slices",
+                "Slices per GPU on the node (K), while slice mode is enabled",
+                None,
+            ),
+            family::<Gauge, GpuLabels>(
+                r,
+                "gpu_slices_held",
+                "Slices of the GPU held by containers, while slice mode is enabled",
+                None,
+            ),
+        )
+    });
+    let count = family::<Gauge, ModeLabels>(
+        r,
+        "mode_gpus",
+        "Number of the node's GPUs locked to the mode (unlocked: to none)",
+        None,
+    );
+    let mut locked: BTreeMap<&str, i64> = MODES.into_iter().map(|m| (m, 0)).collect();
+    for m in &v.modes {
+        let now = mode_name(m);
+        for mode in MODES
+            .into_iter()
+            .chain(Some(now).filter(|n| !MODES.contains(n)))
+        {
+            gpu_mode
+                .get_or_create(&labels(m, mode))
+                .set(i64::from(mode == now));
+        }
+        for mode in &MODES[..3] {
+            let lists = m.serves.split(',').any(|s| s.trim() == *mode);
+            serving
+                .get_or_create(&labels(m, mode))
+                .set(i64::from(lists));
+        }
+        if let Some((slices, held)) = &slices {
+            slices.get_or_create(&gpu(m)).set(i64::from(m.slices));
+            held.get_or_create(&gpu(m)).set(i64::from(m.slices_held));
+        }
+        *locked.entry(now).or_default() += 1;
+    }
+    for (mode, n) in locked {
+        count
+            .get_or_create(&ModeLabels { mode: mode.into() })
+            .set(n);
+    }
 }
 
 /// Each container's GPUs, labelled.
@@ -544,6 +661,7 @@ mod tests {
 
     fn view() -> View {
         View {
+            modes: Vec::new(),
             schema: 1,
             scope: "node".into(),
             taken_unix: 0,
@@ -827,6 +945,165 @@ vcuda_watchdog_violations_total{namespace="web",pod="serve-0",container="infer",
         }
         assert!(text.contains("# HELP vcuda_watchdog_violations"));
         assert!(text.trim_end().ends_with("# EOF"));
+    }
+
+    /// Four GPUs on a node serving all three modes with 2 slices per GPU: GPU-a shared (its
+    /// container holds a share), GPU-b one slice of 2, GPU-c both slices, GPU-d unlocked.
+    fn four_modes() -> View {
+        let mut v = view();
+        for (i, uuid) in ["GPU-b", "GPU-c", "GPU-d"].into_iter().enumerate() {
+            v.gpus.push(GpuView {
+                index: i as u32 + 1,
+                uuid: uuid.into(),
+                core_allocated_percent: 0,
+                memory_allocated_bytes: 0,
+                ..v.gpus[0].clone()
+            });
+        }
+        let m = |uuid: &str, mode: &str, slices_held, serves: &str| GpuModeView {
+            uuid: uuid.into(),
+            mode: mode.into(),
+            slices_held,
+            slices: 2,
+            serves: serves.into(),
+        };
+        v.modes = vec![
+            m("GPU-a", "shared", 0, "shared"),
+            m("GPU-b", "slice", 1, "slice"),
+            m("GPU-c", "slice", 2, "slice"),
+            m("GPU-d", "", 0, "whole,slice,shared"),
+        ];
+        v
+    }
+
+    /// The mode families' part of `text`, and the rest.
+    fn split_modes(text: &str) -> (String, String) {
+        let ours = |l: &str| {
+            // A sample starts with its name; `# HELP name …` and `# TYPE name …` name it third.
+            let name = if l.starts_with('#') {
+                l.split(' ').nth(2).unwrap_or("")
+            } else {
+                l
+            };
+            [
+                "vcuda_gpu_mode",
+                "vcuda_gpu_serving",
+                "vcuda_gpu_slices",
+                "vcuda_mode_gpus",
+            ]
+            .iter()
+            .any(|f| name.starts_with(f))
+        };
+        let (mut modes, mut rest) = (String::new(), String::new());
+        for l in text.lines() {
+            let to = if ours(l) { &mut modes } else { &mut rest };
+            to.push_str(l);
+            to.push('\n');
+        }
+        (modes, rest)
+    }
+
+    const FOUR_MODES: &str = r##"# HELP vcuda_gpu_mode 1 for the sharing mode the GPU is locked to (whole, slice, shared; unlocked while it is locked to none), 0 for the others.
+# TYPE vcuda_gpu_mode gauge
+vcuda_gpu_mode{gpu="0",uuid="GPU-a",mode="shared"} 1
+vcuda_gpu_mode{gpu="0",uuid="GPU-a",mode="slice"} 0
+vcuda_gpu_mode{gpu="0",uuid="GPU-a",mode="unlocked"} 0
+vcuda_gpu_mode{gpu="0",uuid="GPU-a",mode="whole"} 0
+vcuda_gpu_mode{gpu="1",uuid="GPU-b",mode="shared"} 0
+vcuda_gpu_mode{gpu="1",uuid="GPU-b",mode="slice"} 1
+vcuda_gpu_mode{gpu="1",uuid="GPU-b",mode="unlocked"} 0
+vcuda_gpu_mode{gpu="1",uuid="GPU-b",mode="whole"} 0
+vcuda_gpu_mode{gpu="2",uuid="GPU-c",mode="shared"} 0
+vcuda_gpu_mode{gpu="2",uuid="GPU-c",mode="slice"} 1
+vcuda_gpu_mode{gpu="2",uuid="GPU-c",mode="unlocked"} 0
+vcuda_gpu_mode{gpu="2",uuid="GPU-c",mode="whole"} 0
+vcuda_gpu_mode{gpu="3",uuid="GPU-d",mode="shared"} 0
+vcuda_gpu_mode{gpu="3",uuid="GPU-d",mode="slice"} 0
+vcuda_gpu_mode{gpu="3",uuid="GPU-d",mode="unlocked"} 1
+vcuda_gpu_mode{gpu="3",uuid="GPU-d",mode="whole"} 0
+# HELP vcuda_gpu_serving 1 for each mode whose devices the GPU lists to the kubelet now, 0 for a mode withdrawn (the GPU is locked to another) or not enabled on the node.
+# TYPE vcuda_gpu_serving gauge
+vcuda_gpu_serving{gpu="0",uuid="GPU-a",mode="shared"} 1
+vcuda_gpu_serving{gpu="0",uuid="GPU-a",mode="slice"} 0
+vcuda_gpu_serving{gpu="0",uuid="GPU-a",mode="whole"} 0
+vcuda_gpu_serving{gpu="1",uuid="GPU-b",mode="shared"} 0
+vcuda_gpu_serving{gpu="1",uuid="GPU-b",mode="slice"} 1
+vcuda_gpu_serving{gpu="1",uuid="GPU-b",mode="whole"} 0
+vcuda_gpu_serving{gpu="2",uuid="GPU-c",mode="shared"} 0
+vcuda_gpu_serving{gpu="2",uuid="GPU-c",mode="slice"} 1
+vcuda_gpu_serving{gpu="2",uuid="GPU-c",mode="whole"} 0
+vcuda_gpu_serving{gpu="3",uuid="GPU-d",mode="shared"} 1
+vcuda_gpu_serving{gpu="3",uuid="GPU-d",mode="slice"} 1
+vcuda_gpu_serving{gpu="3",uuid="GPU-d",mode="whole"} 1
+# HELP vcuda_gpu_slices Slices per GPU on the node (K), while slice mode is enabled.
+# TYPE vcuda_gpu_slices gauge
+vcuda_gpu_slices{gpu="0",uuid="GPU-a"} 2
+vcuda_gpu_slices{gpu="1",uuid="GPU-b"} 2
+vcuda_gpu_slices{gpu="2",uuid="GPU-c"} 2
+vcuda_gpu_slices{gpu="3",uuid="GPU-d"} 2
+# HELP vcuda_gpu_slices_held Slices of the GPU held by containers, while slice mode is enabled.
+# TYPE vcuda_gpu_slices_held gauge
+vcuda_gpu_slices_held{gpu="0",uuid="GPU-a"} 0
+vcuda_gpu_slices_held{gpu="1",uuid="GPU-b"} 1
+vcuda_gpu_slices_held{gpu="2",uuid="GPU-c"} 2
+vcuda_gpu_slices_held{gpu="3",uuid="GPU-d"} 0
+# HELP vcuda_mode_gpus Number of the node's GPUs locked to the mode (unlocked: to none).
+# TYPE vcuda_mode_gpus gauge
+vcuda_mode_gpus{mode="shared"} 1
+vcuda_mode_gpus{mode="slice"} 2
+vcuda_mode_gpus{mode="unlocked"} 1
+vcuda_mode_gpus{mode="whole"} 0
+"##;
+
+    #[test]
+    fn each_gpus_mode_and_slices_are_metrics() {
+        let text = encode(&four_modes(), "node-1", &registrations());
+        let (modes, rest) = split_modes(&text);
+        assert_eq!(canonical(&modes), canonical(FOUR_MODES), "{text}");
+        // The modes add their families and change nothing else: the rest is the text of the
+        // same view without modes.
+        let mut before = four_modes();
+        before.modes.clear();
+        let old = encode(&before, "node-1", &registrations());
+        assert_eq!(canonical(&rest), canonical(&old));
+        assert!(!old.contains("mode"), "{old}");
+    }
+
+    #[test]
+    fn a_shared_only_node_has_modes_but_no_slices() {
+        // What a manager with `--modes shared` (the default) fills: no slice counts.
+        let mut v = view();
+        v.modes = vec![GpuModeView {
+            uuid: "GPU-a".into(),
+            mode: String::new(),
+            slices_held: 0,
+            slices: 0,
+            serves: "shared".into(),
+        }];
+        let text = encode(&v, "n", &[]);
+        for line in [
+            r#"vcuda_gpu_mode{gpu="0",uuid="GPU-a",mode="unlocked"} 1"#,
+            r#"vcuda_gpu_mode{gpu="0",uuid="GPU-a",mode="shared"} 0"#,
+            r#"vcuda_gpu_serving{gpu="0",uuid="GPU-a",mode="shared"} 1"#,
+            r#"vcuda_gpu_serving{gpu="0",uuid="GPU-a",mode="whole"} 0"#,
+            r#"vcuda_mode_gpus{mode="unlocked"} 1"#,
+            r#"vcuda_mode_gpus{mode="shared"} 0"#,
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from\n{text}"
+            );
+        }
+        assert!(!text.contains("vcuda_gpu_slices"), "{text}");
+        // Once a share is allocated the GPU is locked to shared.
+        v.modes[0].mode = "shared".into();
+        let text = encode(&v, "n", &[]);
+        assert!(text
+            .lines()
+            .any(|l| l == r#"vcuda_mode_gpus{mode="shared"} 1"#));
+        assert!(text
+            .lines()
+            .any(|l| l == r#"vcuda_mode_gpus{mode="unlocked"} 0"#));
     }
 
     #[test]

@@ -1,7 +1,10 @@
-//! The shares backend: GPUs cut into `vcuda-core` (1 % of a GPU each) and `vcuda-memory`
-//! (256 MiB each), one [`Shares`] per resource behind the generic DevicePlugin server
-//! ([`crate::backend::Server`]). Thin: decisions are in [`crate::core`] and the pure crate.
-//! What the kubelet reads of a refusal is decided here, in one place ([`refusal`]).
+//! The device-plugin backend of every resource the manager serves, one [`Shares`] per
+//! resource behind the generic DevicePlugin server ([`crate::backend::Server`]): shares —
+//! GPUs cut into `vcuda-core` (1 % of a GPU each) and `vcuda-memory` (256 MiB each) — and,
+//! when their modes are enabled (issue 19), whole GPUs and slices. Each lists only the
+//! devices of GPUs unlocked or locked to its mode, again at every lock change. Thin:
+//! decisions are in [`crate::core`], [`crate::locks`] and the pure crate. What the kubelet
+//! reads of a refusal is decided here, in one place ([`refusal`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -18,7 +21,8 @@ use crate::podresources::PodResourcesError;
 use crate::state::Shared;
 use vcuda_manager_core::allocation::Answer;
 use vcuda_manager_core::assign::Decision;
-use vcuda_manager_core::ids::{all_ids, Kind};
+use vcuda_manager_core::ids::{all_ids, DeviceId, Kind};
+use vcuda_manager_core::modes::{Resource, SliceId};
 
 /// The two RPCs that can refuse a container.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,18 +52,32 @@ pub fn pod_resources_refusal(e: &PodResourcesError) -> Status {
     Status::unavailable(format!("vcuda: {e}"))
 }
 
-/// The backend of one share resource.
+/// The backend of one resource.
 pub struct Shares {
+    /// Which resource; for the share resources, `kind` is its kind (for whole GPUs and
+    /// slices, [`Kind::Core`]: a slice allocation keeps its IDs where a share keeps its
+    /// `vcuda-core` IDs).
+    mode_resource: Resource,
     kind: Kind,
-    /// `<domain>/vcuda-core` or `<domain>/vcuda-memory`.
+    /// Its full name: `<domain>/vcuda-core`, `<domain>/sgpu`, `nvidia.com/gpu`…
     resource: String,
     shared: Arc<Shared>,
 }
 
 impl Shares {
-    pub fn new(kind: Kind, shared: Arc<Shared>) -> Shares {
-        let resource = kind.resource(&shared.core.lock().settings.domain);
+    pub fn new(mode_resource: Resource, shared: Arc<Shared>) -> Shares {
+        let resource = shared
+            .core
+            .lock()
+            .locks
+            .settings()
+            .resource_name(mode_resource);
+        let kind = match mode_resource {
+            Resource::Shared(kind) => kind,
+            Resource::Whole | Resource::Slice => Kind::Core,
+        };
         Shares {
+            mode_resource,
             kind,
             resource,
             shared,
@@ -67,11 +85,24 @@ impl Shares {
     }
 }
 
-/// The complete device list of `kind` (the kubelet rebuilds its sets from every message).
-pub fn devices(core: &Core, kind: Kind, health: &[bool]) -> Vec<dp::Device> {
+/// The device-plugin socket of a resource, in the kubelet's plugin directory.
+pub fn socket(resource: Resource) -> &'static str {
+    match resource {
+        Resource::Shared(kind) => kind.socket(),
+        Resource::Whole => "vcuda-whole.sock",
+        Resource::Slice => "vcuda-sgpu.sock",
+    }
+}
+
+/// The complete device list of `resource` (the kubelet rebuilds its sets from every
+/// message): every device of each GPU that serves its mode now.
+pub fn devices(core: &Core, resource: Resource, health: &[bool]) -> Vec<dp::Device> {
     let inv = &core.inventory;
     let mut out = Vec::new();
     for (g, gpu) in inv.gpus.iter().enumerate() {
+        if !core.locks.advertises(resource, &gpu.uuid) {
+            continue;
+        }
         let healthy = health.get(g).copied().unwrap_or(true);
         let topology = inv
             .numa
@@ -81,9 +112,19 @@ pub fn devices(core: &Core, kind: Kind, health: &[bool]) -> Vec<dp::Device> {
             .map(|n| dp::TopologyInfo {
                 nodes: vec![dp::NumaNode { id: n }],
             });
-        for id in all_ids(&gpu.uuid, kind, gpu.memory) {
+        let ids: Vec<String> = match resource {
+            Resource::Shared(kind) => all_ids(&gpu.uuid, kind, gpu.memory)
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            Resource::Whole => vec![gpu.uuid.clone()],
+            Resource::Slice => (0..core.locks.settings().slices())
+                .map(|k| SliceId::new(&gpu.uuid, k).to_string())
+                .collect(),
+        };
+        for id in ids {
             out.push(dp::Device {
-                id: id.to_string(),
+                id,
                 health: if healthy { "Healthy" } else { "Unhealthy" }.into(),
                 topology: topology.clone(),
             });
@@ -124,6 +165,33 @@ fn to_proto(a: Answer) -> dp::ContainerAllocateResponse {
     }
 }
 
+impl Shares {
+    /// Allocate every container request under the state lock: the lock (kept, for the
+    /// caller to record under) and the answers, or the first refusal.
+    fn attempt(
+        &self,
+        requests: &[dp::ContainerAllocateRequest],
+    ) -> Result<
+        (
+            parking_lot::MutexGuard<'_, Core>,
+            Vec<dp::ContainerAllocateResponse>,
+        ),
+        CoreError,
+    > {
+        let mut core = self.shared.core.lock();
+        let mut answers = Vec::new();
+        for c in requests {
+            let answer = match self.mode_resource {
+                Resource::Shared(kind) => core.allocate(kind, &c.devices_ids)?,
+                Resource::Whole => core.allocate_whole(&c.devices_ids)?,
+                Resource::Slice => core.allocate_slices(&c.devices_ids)?,
+            };
+            answers.push(to_proto(answer));
+        }
+        Ok((core, answers))
+    }
+}
+
 #[tonic::async_trait]
 impl Backend for Shares {
     fn resource(&self) -> String {
@@ -131,19 +199,24 @@ impl Backend for Shares {
     }
 
     fn options(&self) -> dp::DevicePluginOptions {
-        options()
+        options_of(self.mode_resource)
     }
 
     fn watch(&self) -> DeviceStream {
         let shared = self.shared.clone();
-        let kind = self.kind;
-        // The current list at once, then the whole list again at every health change.
-        let stream = tokio_stream::wrappers::WatchStream::new(self.shared.health.subscribe()).map(
-            move |health| {
-                let devices = devices(&shared.core.lock(), kind, &health);
-                Ok(dp::ListAndWatchResponse { devices })
-            },
-        );
+        let resource = self.mode_resource;
+        // The current list at once, then the whole list again at every health change and
+        // every lock change.
+        let health =
+            tokio_stream::wrappers::WatchStream::new(self.shared.health.subscribe()).map(|_| ());
+        let locks =
+            tokio_stream::wrappers::WatchStream::new(self.shared.core.lock().locks.subscribe())
+                .map(|_| ());
+        let stream = health.merge(locks).map(move |()| {
+            let health = shared.health.borrow().clone();
+            let devices = devices(&shared.core.lock(), resource, &health);
+            Ok(dp::ListAndWatchResponse { devices })
+        });
         Box::pin(stream)
     }
 
@@ -151,11 +224,38 @@ impl Backend for Shares {
         &self,
         requests: Vec<dp::ContainerPreferredAllocationRequest>,
     ) -> Result<Vec<Vec<String>>, Status> {
+        let Resource::Shared(_) = self.mode_resource else {
+            // Whole GPUs and slices: away from GPUs locked elsewhere, onto GPUs in the mode.
+            let core = self.shared.core.lock();
+            return Ok(requests
+                .into_iter()
+                .map(|c| {
+                    core.locks.modes().steer(
+                        self.mode_resource,
+                        &c.available_device_i_ds,
+                        &c.must_include_device_i_ds,
+                        c.allocation_size.max(0) as usize,
+                        None,
+                    )
+                })
+                .collect());
+        };
         let decided = match &self.shared.api {
             Some(api) => self.shared.decide(api, self.kind, &requests).await,
             None => vec![None; requests.len()],
         };
         let mut core = self.shared.core.lock();
+        // The kubelet's view may be older than a lock: prefer only GPUs that serve shares.
+        let serves = |id: &String| {
+            DeviceId::parse(id).is_some_and(|d| core.locks.advertises(self.mode_resource, &d.uuid))
+        };
+        let requests: Vec<_> = requests
+            .into_iter()
+            .map(|mut c| {
+                c.available_device_i_ds.retain(|id| serves(id));
+                c
+            })
+            .collect();
         Ok(requests
             .into_iter()
             .zip(decided)
@@ -176,18 +276,23 @@ impl Backend for Shares {
         requests: Vec<dp::ContainerAllocateRequest>,
     ) -> Result<Vec<dp::ContainerAllocateResponse>, Status> {
         let t0 = Instant::now();
-        let mut core = self.shared.core.lock();
         let resource = &self.resource;
-        let mut container_responses = Vec::new();
-        for c in &requests {
-            match core.allocate(self.kind, &c.devices_ids) {
-                Ok(a) => container_responses.push(to_proto(a)),
-                Err(reason) => {
-                    warn!(%resource, %reason, kind = reason.kind(), "Allocate refused");
-                    return Err(refusal(Rpc::Allocate, &reason));
-                }
+        let mut released = false;
+        let (core, container_responses) = loop {
+            let reason = match self.attempt(&requests) {
+                Ok(done) => break done,
+                Err(reason) => reason,
+            };
+            // A GPU locked elsewhere, or a device held: the holder's container may have
+            // ended since the last PodResources pass. Ask once, then judge again.
+            if !released && reason.is_lock_conflict() {
+                released = true;
+                self.shared.release_ended().await;
+                continue;
             }
-        }
+            warn!(%resource, %reason, kind = reason.kind(), "Allocate refused");
+            return Err(refusal(Rpc::Allocate, &reason));
+        };
         {
             // Recorded under the state lock (lock order: core, then lists), so that whoever
             // holds the state lock sees every allocation it holds reflected in the cache's
@@ -206,7 +311,10 @@ impl Backend for Shares {
 
     async fn pre_start(&self, ids: Vec<String>) -> Result<(), Status> {
         let t0 = Instant::now();
-        let (socket, domain) = {
+        if self.mode_resource == Resource::Whole {
+            return Ok(()); // not asked for: nothing to configure
+        }
+        let (socket, names) = {
             let core = self.shared.core.lock();
             if let Some(id) = core.already_started(self.kind, &ids) {
                 tracing::debug!(allocation = %id, us = t0.elapsed().as_micros() as u64, "PreStartContainer: already configured");
@@ -214,13 +322,13 @@ impl Backend for Shares {
             }
             (
                 core.settings.pod_resources_socket.clone(),
-                core.settings.domain.clone(),
+                core.locks.settings().clone(),
             )
         };
         let t1 = Instant::now();
         let held = self
             .shared
-            .holdings(&socket, &domain, self.kind, &ids)
+            .holdings(&socket, &names, &ids)
             .await
             .map_err(|e| {
                 warn!(reason = %e, kind = e.kind(), "PreStartContainer refused");
@@ -258,10 +366,16 @@ impl Backend for Shares {
     }
 }
 
-/// The options both plugins register with (and answer GetDevicePluginOptions with).
+/// The options the share plugins register with (and answer GetDevicePluginOptions with).
 pub fn options() -> dp::DevicePluginOptions {
+    options_of(Resource::Shared(Kind::Core))
+}
+
+/// The options of `resource`'s plugin: PreStartContainer configures the library for shares
+/// and slices; a whole GPU has nothing to configure.
+pub fn options_of(resource: Resource) -> dp::DevicePluginOptions {
     dp::DevicePluginOptions {
-        pre_start_required: true,
+        pre_start_required: resource != Resource::Whole,
         get_preferred_allocation_available: true,
     }
 }

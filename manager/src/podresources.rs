@@ -16,6 +16,7 @@ use vcuda_cluster::Reservations;
 use vcuda_manager_core::allocation::Holdings;
 use vcuda_manager_core::assign::{self, Decision, PodFacts};
 use vcuda_manager_core::ids::Kind;
+use vcuda_manager_core::modes::{self, Resource};
 
 /// The kubelet's PodResources API did not answer a `List`.
 #[derive(Debug, thiserror::Error)]
@@ -47,29 +48,54 @@ impl PodResourcesError {
 /// kubelet creates before starting it takes far longer).
 const PREFETCH_QUIET: Duration = Duration::from_millis(5);
 
+/// How often a node serving more than one mode looks for ended containers while a GPU is
+/// locked ([`Shared::release_loop`]).
+pub const RELEASE_EVERY: Duration = Duration::from_secs(1);
+
 impl Shared {
     /// Which container holds `ids` of `kind`, and what it holds of both resources: from the
     /// cached list when [`ListCache::usable`] allows, else from a fresh `List`.
     pub async fn holdings(
         &self,
         socket: &std::path::Path,
-        domain: &str,
-        kind: Kind,
+        names: &modes::Settings,
         ids: &[String],
     ) -> Result<Option<Holdings>, PodResourcesError> {
         let cached = self.lists.lock().usable();
-        if let Some(found) = cached.and_then(|l| find(&l, domain, kind, ids)) {
+        if let Some(found) = cached.and_then(|l| find(&l, names, ids)) {
             return Ok(Some(found));
         }
         let listing = self.listing.lock().await;
         // A list that arrived while we waited for the lock may do.
         let cached = self.lists.lock().usable();
-        if let Some(found) = cached.and_then(|l| find(&l, domain, kind, ids)) {
+        if let Some(found) = cached.and_then(|l| find(&l, names, ids)) {
             return Ok(Some(found));
         }
         let list = self.fresh_list(socket).await?;
         drop(listing);
-        Ok(find(&list, domain, kind, ids))
+        Ok(find(&list, names, ids))
+    }
+
+    /// Release the mode locks of containers PodResources no longer lists (a fresh `List`;
+    /// nothing when the kubelet does not answer). Returns how many were released.
+    pub async fn release_ended(&self) -> usize {
+        let (socket, asked) = {
+            let core = self.core.lock();
+            (
+                core.settings.pod_resources_socket.clone(),
+                core.locks.asked(unix_now()),
+            )
+        };
+        let Ok(list) = self.fresh_list(&socket).await else {
+            return 0;
+        };
+        let held = held_ids(&list);
+        let core = &mut *self.core.lock();
+        let n = core.locks.release_gone(&|id| held.contains(id), asked);
+        if n > 0 {
+            core.changed.notify_one();
+        }
+        n
     }
 
     /// `List` now (and cache the answer).
@@ -97,6 +123,7 @@ impl Shared {
             }
         };
         let token = self.lists.lock().requesting();
+        let asked = self.core.lock().locks.asked(unix_now());
         let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
         let list = match client.list(pr::ListPodResourcesRequest {}).await {
             Ok(l) => Arc::new(l.into_inner()),
@@ -109,7 +136,26 @@ impl Shared {
             }
         };
         self.lists.lock().store(token, list.clone(), Instant::now());
+        // Every list shows which locks' containers the kubelet has recorded.
+        let held = held_ids(&list);
+        self.core
+            .lock()
+            .locks
+            .observe(&|id| held.contains(id), asked);
         Ok(list)
+    }
+
+    /// Runs for ever: every [`RELEASE_EVERY`] while a GPU is locked on a node serving more
+    /// than one mode, release the locks of ended containers, so that a GPU serves the other
+    /// modes again within about that long of its last pod's end (the control loop's
+    /// collection, every ~10 s, would be slow for that).
+    pub async fn release_loop(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(RELEASE_EVERY).await;
+            if self.core.lock().locks.unlock_wanted() {
+                self.release_ended().await;
+            }
+        }
     }
 
     /// Runs for ever: once Allocates have been quiet for [`PREFETCH_QUIET`], list
@@ -159,14 +205,14 @@ impl Shared {
         let Some(list) = self.lists.lock().usable() else {
             return;
         };
-        let domain = core.settings.domain.clone();
+        let names = core.locks.settings().clone();
         let waiting: Vec<Vec<String>> = core
             .allocations()
             .filter(|a| !a.finished())
             .map(|a| a.cores.clone())
             .collect();
         for cores in waiting {
-            let Some(held) = find(&list, &domain, Kind::Core, &cores) else {
+            let Some(held) = find(&list, &names, &cores) else {
                 continue;
             };
             let who = format!("{}/{}/{}", held.namespace, held.pod, held.container);
@@ -207,19 +253,39 @@ impl Shared {
     }
 }
 
-/// The container of a PodResources list holding any of `ids` of `kind` (the list has one
-/// entry per device: group by resource name).
+/// Every device ID any container of `list` holds, of any resource (ours are unique across
+/// resources: `…-core-…`, `…-mem-…`, `…-sgpu-NN`, a bare UUID).
+pub fn held_ids(list: &pr::ListPodResourcesResponse) -> std::collections::HashSet<&str> {
+    list.pod_resources
+        .iter()
+        .flat_map(|p| &p.containers)
+        .flat_map(|c| &c.devices)
+        .flat_map(|d| d.device_ids.iter().map(String::as_str))
+        .collect()
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The container of a PodResources list holding any of `ids` (device IDs are unique across
+/// our resources, so any entry of the container's counts), and what it holds of each of
+/// our resources, named by `names` (the list has one entry per device: group by name).
 pub fn find(
     list: &pr::ListPodResourcesResponse,
-    domain: &str,
-    kind: Kind,
+    names: &modes::Settings,
     ids: &[String],
 ) -> Option<Holdings> {
-    let (core_name, mem_name, mine) = (
-        Kind::Core.resource(domain),
-        Kind::Memory.resource(domain),
-        kind.resource(domain),
+    let name = |r: Resource| names.resource_name(r);
+    let (core_name, mem_name, slice_name, whole_name) = (
+        name(Resource::Shared(Kind::Core)),
+        name(Resource::Shared(Kind::Memory)),
+        name(Resource::Slice),
+        name(Resource::Whole),
     );
+    let ours = [&core_name, &mem_name, &slice_name, &whole_name];
     for pod in &list.pod_resources {
         for c in &pod.containers {
             let of = |name: &str| -> Vec<String> {
@@ -229,13 +295,21 @@ pub fn find(
                     .flat_map(|d| d.device_ids.clone())
                     .collect()
             };
-            if of(&mine).iter().any(|d| ids.contains(d)) {
+            let mine = c
+                .devices
+                .iter()
+                .filter(|d| ours.contains(&&d.resource_name))
+                .flat_map(|d| &d.device_ids)
+                .any(|d| ids.contains(d));
+            if mine {
                 return Some(Holdings {
                     namespace: pod.namespace.clone(),
                     pod: pod.name.clone(),
                     container: c.name.clone(),
                     cores: of(&core_name),
                     memory: of(&mem_name),
+                    slices: of(&slice_name),
+                    whole: of(&whole_name),
                 });
             }
         }

@@ -92,12 +92,14 @@ pub async fn withdraw(api: &ApiServer, shared: &Shared) {
 async fn publish_once(api: &ApiServer, shared: &Shared, down: bool) -> Result<bool, PublishError> {
     let pods = api.node_pods().await?;
     let (rv, ann) = api.node_annotations().await?;
-    let (inventory, allocs, overrides) = {
+    let (inventory, allocs, overrides, gpu_modes, node_modes) = {
         let core = shared.core.lock();
         (
             core.inventory.clone(),
             core.allocations().cloned().collect::<Vec<_>>(),
             core.overrides.clone(),
+            core.locks.gpu_modes(),
+            core.locks.node_modes(),
         )
     };
     let mut health = shared.health.borrow().clone();
@@ -133,6 +135,15 @@ async fn publish_once(api: &ApiServer, shared: &Shared, down: bool) -> Result<bo
     let mut inv = assign::node_inventory(&inventory, &health, &counted, &pods);
     // The Lease the scheduler checks this node's liveness by (crate::lease renews it).
     inv.lease = Some(api.holder.lease.clone());
+    // Each GPU's mode, and the node's modes (absent on a node serving shares only, as
+    // before modes: an older scheduler reads it unchanged).
+    for (g, (uuid, mode, slices)) in inv.gpus.iter_mut().zip(gpu_modes) {
+        if g.uuid == uuid {
+            g.mode = mode.map(crate::locks::gpu_mode);
+            g.slices_held = slices;
+        }
+    }
+    inv.modes = node_modes;
     let inv_json = serde_json::to_string(&inv).map_err(|source| PublishError::Encode {
         annotation: INVENTORY_ANNOTATION,
         source,

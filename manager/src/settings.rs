@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser};
 use serde::{Deserialize, Deserializer};
+use vcuda_manager_core::modes::{self, Mode, SliceCompute};
 
 /// XIDs that do not make a GPU unhealthy by default: application errors (13 graphics
 /// engine exception, 31 memory page fault, 43 GPU stopped processing, 45 preemptive
@@ -201,6 +202,24 @@ layer! {
         /// seconds: 40s, 1m, 3 (bare number: seconds) [default: 40s].
         #[arg(long, value_name = "DURATION")]
         pub lease_duration: Option<String>,
+        /// The sharing modes this node serves, comma-separated: `whole` (whole GPUs as
+        /// --whole-resource, exclusive, no library), `slice` (K equal slices per GPU as
+        /// <domain>/sgpu), `shared` (<domain>/vcuda-core + vcuda-memory). A GPU is locked
+        /// to the mode of its first allocation until its last one ends [default: shared].
+        #[arg(long, value_delimiter = ',', value_name = "MODE,...")]
+        pub modes: Option<Vec<String>>,
+        /// Slices per GPU (K, 2 to 99) in slice mode: each slice has a GPU's memory / K
+        /// [default: 2].
+        #[arg(long, value_name = "K")]
+        pub slices: Option<u32>,
+        /// The whole-GPU resource's name [default: nvidia.com/gpu, NVIDIA's device plugin's,
+        /// so pod specs written for it run unchanged].
+        #[arg(long, value_name = "NAME")]
+        pub whole_resource: Option<String>,
+        /// A slice's compute: `unlimited` (only memory is divided) or `hard` (100/K % each)
+        /// [default: unlimited].
+        #[arg(long, value_name = "unlimited|hard")]
+        pub slice_compute: Option<String>,
     }
 }
 
@@ -284,6 +303,14 @@ pub struct Settings {
     pub lease_namespace: String,
     /// How long one renewal counts, seconds (`--lease-duration`).
     pub lease_duration_seconds: u32,
+    /// The sharing modes served (`--modes`), in [`Mode::ALL`]'s order.
+    pub modes: Vec<Mode>,
+    /// Slices per GPU (`--slices`).
+    pub slices: u32,
+    /// The whole-GPU resource's name (`--whole-resource`).
+    pub whole_resource: String,
+    /// A slice's compute (`--slice-compute`).
+    pub slice_compute: SliceCompute,
 }
 
 /// A setting the manager cannot start with. Each names the flag (or the file's line) and
@@ -333,6 +360,10 @@ pub enum SettingsError {
     LeaseDuration { value: String },
     #[error("--lease-namespace {value:?}: expected a namespace name (lowercase letters, digits, '-'; at most 63)")]
     LeaseNamespace { value: String },
+    #[error("--modes / --slices / --whole-resource: {0}")]
+    Modes(#[from] modes::SettingsError),
+    #[error("--slice-compute {value:?}: expected unlimited (only memory is divided) or hard (100/K % per slice)")]
+    SliceCompute { value: String },
 }
 
 impl SettingsError {
@@ -351,6 +382,8 @@ impl SettingsError {
             SettingsError::Cdi { .. } => "cdi",
             SettingsError::LeaseDuration { .. } => "lease-duration",
             SettingsError::LeaseNamespace { .. } => "lease-namespace",
+            SettingsError::Modes(e) => e.kind(),
+            SettingsError::SliceCompute { .. } => "slice-compute",
         }
     }
 }
@@ -392,6 +425,31 @@ impl Settings {
         if domain.is_empty() || domain.contains('/') || domain.ends_with("kubernetes.io") {
             return Err(SettingsError::Domain { domain });
         }
+        let mut modes = match &given.modes {
+            None => vec![Mode::Shared],
+            Some(names) => names
+                .iter()
+                .map(|n| n.trim().parse::<Mode>())
+                .collect::<Result<Vec<_>, _>>()?,
+        };
+        modes.sort();
+        modes.dedup();
+        let slices = given.slices.unwrap_or(2);
+        let whole_resource = given
+            .whole_resource
+            .unwrap_or_else(|| modes::WHOLE_RESOURCE.into());
+        let slice_compute = match given.slice_compute.as_deref() {
+            None | Some("unlimited") => SliceCompute::Unlimited,
+            Some("hard") => SliceCompute::Hard,
+            Some(other) => {
+                return Err(SettingsError::SliceCompute {
+                    value: other.to_string(),
+                })
+            }
+        };
+        // Checked now (without GPUs), so that a bad value stops the start with its reason.
+        modes::Settings::new(&domain, &modes, slices, Vec::new())?
+            .with_whole_resource(&whole_resource)?;
         let device_plugin_dir = given
             .device_plugin_dir
             .unwrap_or_else(|| "/var/lib/kubelet/device-plugins".into());
@@ -486,7 +544,24 @@ impl Settings {
                     parse_lease_duration(&v).ok_or(SettingsError::LeaseDuration { value: v })?
                 }
             },
+            modes,
+            slices,
+            whole_resource,
+            slice_compute,
         })
+    }
+
+    /// The modes' settings for these GPUs ([`modes::Settings`]; the values were checked by
+    /// [`Settings::resolve`], the GPUs are NVML's, unique).
+    pub fn mode_settings(
+        &self,
+        gpus: Vec<modes::GpuSpec>,
+    ) -> Result<modes::Settings, SettingsError> {
+        Ok(
+            modes::Settings::new(&self.domain, &self.modes, self.slices, gpus)?
+                .with_whole_resource(&self.whole_resource)?
+                .with_slice_compute(self.slice_compute),
+        )
     }
 
     /// The control socket's path on the host.
@@ -746,6 +821,45 @@ mod tests {
         let e = Settings::load(&flags).unwrap_err();
         assert!(matches!(e, SettingsError::Domain { .. }), "{e:?}");
         assert!(e.to_string().contains("kubernetes.io"), "{e}");
+        // The sharing modes: each bad value is refused at start with what it accepts.
+        for (args, kind, says) in [
+            (
+                &["--modes", "whole,exclusive"][..],
+                "unknown-mode",
+                "whole, slice and shared",
+            ),
+            (
+                &["--modes", "slice", "--slices", "1"][..],
+                "slice-count",
+                "2 to 99",
+            ),
+            (
+                &["--whole-resource", "gpu"][..],
+                "whole-resource",
+                "domain/name",
+            ),
+            (
+                &["--whole-resource", "tencent.com/sgpu"][..],
+                "whole-resource",
+                "choose another",
+            ),
+            (
+                &["--slice-compute", "soft"][..],
+                "slice-compute",
+                "unlimited",
+            ),
+        ] {
+            let flags = Flags::parse_from(["vcuda-manager"].iter().chain(args));
+            let e = Settings::load(&flags).unwrap_err();
+            assert_eq!(e.kind(), kind, "{args:?}: {e}");
+            assert!(e.to_string().contains(says), "{args:?}: {e}");
+        }
+        let s = Settings::load(&Flags::parse_from(["vcuda-manager"])).unwrap();
+        assert_eq!(
+            s.modes,
+            [Mode::Shared],
+            "a node is unchanged unless configured"
+        );
         let flags = Flags::parse_from(["vcuda-manager", "--config", "/nonexistent/m.toml"]);
         let e = Settings::load(&flags).unwrap_err();
         assert!(
@@ -791,6 +905,20 @@ mod tests {
         ("cdi_spec_dir", "\"/a\"", &["/a"], "\"/b\""),
         ("lease_namespace", "\"a\"", &["a"], "\"b\""),
         ("lease_duration", "\"3s\"", &["3s"], "\"1m\""),
+        (
+            "modes",
+            "[\"whole\", \"shared\"]",
+            &["whole,shared"],
+            "[\"slice\"]",
+        ),
+        ("slices", "3", &["3"], "4"),
+        (
+            "whole_resource",
+            "\"a.example/gpu\"",
+            &["a.example/gpu"],
+            "\"b.example/gpu\"",
+        ),
+        ("slice_compute", "\"hard\"", &["hard"], "\"unlimited\""),
     ];
 
     /// The keys the flags accept: their long names with underscores (`--config` aside).
@@ -836,7 +964,7 @@ mod tests {
     #[test]
     fn the_file_and_the_flags_take_the_same_keys() {
         let flags = flag_keys();
-        assert_eq!(flags.len(), 25, "{flags:?}");
+        assert_eq!(flags.len(), 29, "{flags:?}");
         assert_eq!(file_keys(), flags);
         let table: BTreeSet<String> = EVERY_KEY.iter().map(|r| r.0.to_string()).collect();
         assert_eq!(table, flags, "EVERY_KEY needs a row per key");

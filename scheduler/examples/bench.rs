@@ -46,6 +46,7 @@ fn node(rng: &mut Rng, id: usize, gpus: u32) -> NodeView {
         gpus: Vec::new(),
         pods: Vec::new(),
         lease: None,
+        modes: None,
     };
     for i in 0..gpus {
         let mem = mem_gib * GIB;
@@ -86,6 +87,8 @@ fn node(rng: &mut Rng, id: usize, gpus: u32) -> NodeView {
                 core_percent: core,
                 memory_bytes: used,
             },
+            mode: None,
+            slices_held: 0,
         });
     }
     // one node in ten has a bind in flight

@@ -5,6 +5,10 @@
 //!    scheduler's pod, a cordoned or untolerated tainted node, an unmatched nodeSelector or
 //!    required node affinity): the extender's binding right must not be a way around them.
 //! 2. Re-run [`placement::filter`] against the Node's inventory + current reservations.
+//!    Whole-GPU and slice pods (issue 19) reserve nothing and get no assignment: the
+//!    kubelet picks their devices and vcuda-manager steers and locks; their bind is the
+//!    check and a plain Binding (as for a pod asking for no vcuda resource). A whole-GPU
+//!    pod on a node without a vcuda inventory (another device plugin) binds unchecked.
 //! 3. Merge-patch the Node's [`RESERVATIONS_ANNOTATION`] with the reservation appended, the
 //!    patch carrying the Node's `metadata.resourceVersion`. A 409 Conflict means someone else
 //!    (another replica, the manager) wrote the Node since step 1: re-read and re-check, up to
@@ -38,7 +42,7 @@ use crate::eligibility::{self, Ineligible};
 use crate::extender::{ExtenderBindingArgs, Pod};
 use crate::placement::{self, Expiry, NodeView};
 use crate::quota::{self, Amount};
-use crate::request::pod_request;
+use crate::request::pod_request_with;
 use crate::state::{node_view, now_ms, AppState};
 
 /// How many times a bind re-reads the Node after a 409 Conflict.
@@ -222,7 +226,7 @@ async fn bind_holding(
     let pod: Pod = serde_json::to_value(&kpod)
         .and_then(serde_json::from_value)
         .map_err(|e| BindError::Internal(format!("pod {pod_id} does not convert: {e}")))?;
-    let req = pod_request(&pod, &state.domain).map_err(|e| BindError::Request {
+    let req = pod_request_with(&pod, &state.resource_names()).map_err(|e| BindError::Request {
         pod: pod_id.clone(),
         reason: e.to_string(),
     })?;
@@ -259,6 +263,17 @@ async fn bind_holding(
         eligibility::check(&kpod, &knode, &state.scheduler_names)?;
         let rv = knode.metadata.resource_version.clone().unwrap_or_default();
         let ann = knode.metadata.annotations.clone().unwrap_or_default();
+        if !ann.contains_key(vcuda_cluster::INVENTORY_ANNOTATION)
+            && placement::foreign_node_passes(&req)
+        {
+            // No vcuda-manager there: another device plugin serves the whole GPUs; a plain
+            // Binding (pool checked, nothing to reserve or assign).
+            if let Some(g) = &gate {
+                let labels = knode.metadata.labels.clone().unwrap_or_default();
+                g.check_pool(&labels).map_err(quota_err)?;
+            }
+            break;
+        }
         let mut res = reservations(&args.node, &ann).map_err(|reason| BindError::NoFit {
             pod: pod_id.clone(),
             reason,

@@ -3,9 +3,11 @@
 //!
 //! Everything here is pure: no clock, no I/O, nothing of HTTP or the API server.
 //! - [`extender`] — the extender v1 JSON (PascalCase keys, checked against upstream).
-//! - [`request`] — what a pod asks for (vcuda-core / vcuda-memory, `vcuda.io/gpu-count`).
+//! - [`request`] — what a pod asks for (vcuda-core / vcuda-memory, `vcuda.io/gpu-count`;
+//!   whole GPUs `nvidia.com/gpu` and slices `<domain>/sgpu`, one mode per pod).
 //! - [`placement`] — [`placement::filter`] (a placement or the reason there is none) and
-//!   [`placement::score`] (binpack or spread, 0..=10).
+//!   [`placement::score`] (binpack or spread, 0..=10); [`placement::modes`]: whole GPUs and
+//!   slices against each GPU's mode lock (issue 19).
 //! - [`quota`] — namespace pools (node labels) and per-model quotas from a ConfigMap, usage
 //!   sums and claim pruning.
 //! - [`settings`] — command-line values (durations, `NAMESPACE/NAME`).

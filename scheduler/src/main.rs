@@ -52,9 +52,16 @@ struct Args {
     #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1,
           default_missing_value = "true")]
     prefer_old_for_fractional: bool,
-    /// Domain of the extended resources: <domain>/vcuda-core and <domain>/vcuda-memory.
+    /// Domain of the extended resources: <domain>/vcuda-core and <domain>/vcuda-memory
+    /// (shared mode), <domain>/sgpu (slice mode).
     #[arg(long, default_value = vcuda_scheduler::request::DEFAULT_DOMAIN)]
     domain: String,
+    /// The whole-GPU resource (whole mode), as the nodes' vcuda-manager --whole-resource
+    /// names it. Pods asking for it get unlocked GPUs with nothing on them; nodes without a
+    /// vcuda inventory are left to kube-scheduler for it (another device plugin). An empty
+    /// value leaves the resource alone.
+    #[arg(long, value_name = "NAME", default_value = vcuda_scheduler::request::WHOLE_RESOURCE)]
+    whole_resource: String,
     /// Kubeconfig file for the API server; without it, the in-cluster service account or
     /// $KUBECONFIG / ~/.kube/config (kube-rs Client::try_default).
     #[arg(long)]
@@ -191,6 +198,7 @@ async fn main() -> anyhow::Result<()> {
     let client = client(args.kubeconfig.as_ref()).await?;
     let mut state = AppState::new(policy, args.domain.clone(), client)
         .with_reservation_ttl(args.reservation_ttl)
+        .with_whole_resource(args.whole_resource.clone())
         .with_scheduler_names(args.scheduler_names.clone());
     if let Some(cm) = &args.quota_configmap {
         state = state.with_quota_configmap(cm.clone());

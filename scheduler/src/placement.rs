@@ -13,6 +13,12 @@
 //!   spread does the opposite. With [`Policy::prefer_old_for_fractional`] shares go to older
 //!   GPUs (compute capability, then memory) and whole-GPU jobs to the newest.
 //!
+//! **Sharing modes** (issue 19, [`modes`]): a GPU is unlocked or locked to the mode of its
+//! first allocation (the inventory's `mode`). Shares (and `vcuda-core` whole GPUs) use only
+//! GPUs unlocked or locked to shared mode; whole-GPU (`nvidia.com/gpu`) and slice
+//! (`<domain>/sgpu`) pods are placed and scored by [`modes`]. A node whose inventory has no
+//! `modes` serves shared mode only.
+//!
 //! Within a node the preference for a share is, in order: a GPU already in use over an
 //! untouched one (binpack only), the oldest GPU (if `prefer_old_for_fractional`), the
 //! tightest fit (binpack) or the emptiest (spread), the lowest index. Whole GPUs: the best
@@ -24,8 +30,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use vcuda_cluster::{
-    Assignment, GpuShare, Link, LinkClass, NodeInventory, Reservation, Reservations, CORES_PER_GPU,
-    INVENTORY_ANNOTATION, RESERVATIONS_ANNOTATION, SCHEMA,
+    Assignment, GpuMode, GpuShare, Link, LinkClass, NodeInventory, NodeModes, Reservation,
+    Reservations, CORES_PER_GPU, INVENTORY_ANNOTATION, RESERVATIONS_ANNOTATION, SCHEMA,
 };
 
 use crate::request::{ContainerNeed, Need, PodRequest};
@@ -105,9 +111,18 @@ pub struct GpuState {
     pub core_used: u32,
     /// Memory committed, bytes (allocated + reserved).
     pub memory_used: u64,
+    /// The mode the GPU is locked to (`None`: unlocked, or a manager before modes).
+    pub mode: Option<GpuMode>,
+    /// Its slices held (slice mode).
+    pub slices_held: u32,
 }
 
 impl GpuState {
+    /// May shares (and `vcuda-core` whole GPUs) go here: unlocked or locked to shared mode.
+    pub fn serves_shared(&self) -> bool {
+        matches!(self.mode, None | Some(GpuMode::Shared))
+    }
+
     fn generation(&self) -> (u32, u32, u64) {
         let (a, b) = self.compute_capability;
         (a, b, self.memory_bytes)
@@ -116,12 +131,14 @@ impl GpuState {
 
 /// A node's GPUs with its reservations applied: build once per change of the node's
 /// annotations (the scheduler caches it), use for every pod.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeView {
     /// The GPUs, in inventory order.
     pub gpus: Vec<GpuState>,
     /// `links[a][b]`: how GPU a (position in `gpus`) reaches GPU b.
     pub links: Vec<Vec<Link>>,
+    /// The sharing modes the node serves (`None`: shared mode only).
+    pub modes: Option<NodeModes>,
 }
 
 impl NodeView {
@@ -140,6 +157,8 @@ impl NodeView {
                 healthy: g.healthy,
                 core_used: g.allocated.core_percent,
                 memory_used: g.allocated.memory_bytes,
+                mode: g.mode,
+                slices_held: g.slices_held,
             })
             .collect();
         for r in reservations {
@@ -155,7 +174,19 @@ impl NodeView {
             .iter()
             .map(|a| inventory.gpus.iter().map(|b| a.link_to(b.index)).collect())
             .collect();
-        NodeView { gpus, links }
+        NodeView {
+            gpus,
+            links,
+            modes: inventory.modes.clone(),
+        }
+    }
+
+    /// Does the node serve `mode`? Without `modes` in its inventory: shared mode only.
+    pub fn enabled(&self, mode: GpuMode) -> bool {
+        match &self.modes {
+            None => mode == GpuMode::Shared,
+            Some(m) => m.enabled.contains(&mode),
+        }
     }
 
     /// The view from a Node's annotations ([`INVENTORY_ANNOTATION`],
@@ -227,7 +258,7 @@ pub struct Placed {
 }
 
 /// A feasible placement of a pod on a node.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Choice {
     /// App containers, in pod order.
     pub containers: Vec<Placed>,
@@ -244,14 +275,22 @@ fn take(view: &NodeView, p: &Placed, g: usize) -> (u32, u64) {
             ..
         } => (percent, memory_bytes),
         Need::Whole { .. } => (CORES_PER_GPU, view.gpus[g].memory_bytes),
+        // the kubelet picks the devices; nothing is reserved or assigned
+        Need::Exclusive { .. } | Need::Slices { .. } => (0, 0),
     }
 }
 
 impl Choice {
-    /// The [`Assignment`] to record on the pod.
+    /// The [`Assignment`] to record on the pod (shares only: whole-GPU and slice containers
+    /// get their devices from the kubelet and are left out).
     pub fn assignment(&self, view: &NodeView) -> Assignment {
         let mut containers = BTreeMap::new();
-        for p in self.containers.iter().chain(&self.init_containers) {
+        for p in self
+            .containers
+            .iter()
+            .chain(&self.init_containers)
+            .filter(|p| !p.need.is_device())
+        {
             let shares = p
                 .gpus
                 .iter()
@@ -412,6 +451,7 @@ fn options(
             let mut fit: Vec<usize> = (0..n)
                 .filter(|&g| {
                     view.gpus[g].healthy
+                        && view.gpus[g].serves_shared()
                         && state.core_free(g) >= percent
                         && state.mem_free(view, g) >= memory_bytes
                 })
@@ -460,7 +500,9 @@ fn options(
         }
         Need::Whole { gpus, memory_bytes } => {
             let free: Vec<usize> = (0..n)
-                .filter(|&g| view.gpus[g].healthy && state.untouched(g))
+                .filter(|&g| {
+                    view.gpus[g].healthy && view.gpus[g].serves_shared() && state.untouched(g)
+                })
                 .collect();
             let rule = policy.topology;
             let mut out: Vec<(u64, u64, Vec<usize>)> = Vec::new();
@@ -496,6 +538,8 @@ fn options(
             out.sort_by_key(|(t, newness, _)| (Reverse(*t), Reverse(*newness)));
             out.into_iter().map(|(_, _, s)| s).collect()
         }
+        // placed by `modes`, never by this search
+        Need::Exclusive { .. } | Need::Slices { .. } => Vec::new(),
     }
 }
 
@@ -533,6 +577,15 @@ fn describe_need(c: &ContainerNeed) -> String {
             gib(memory_bytes)
         ),
         Need::Whole { gpus, .. } => format!("container {} needs {gpus} whole GPU(s)", c.name),
+        Need::Exclusive { gpus } => format!(
+            "container {} needs {gpus} whole GPU(s) of whole mode (unlocked, nothing on them)",
+            c.name
+        ),
+        Need::Slices { gpus: 1 } => format!("container {} needs 1 slice", c.name),
+        Need::Slices { gpus } => format!(
+            "container {} needs {gpus} slices on {gpus} different GPUs",
+            c.name
+        ),
     }
 }
 
@@ -544,7 +597,9 @@ fn describe_gpus(view: &NodeView, state: &State) -> String {
             s.push_str(", ");
         }
         let _ = write!(s, "GPU {} ({}) ", gpu.index, short(&gpu.uuid));
-        if gpu.healthy {
+        if let Some(m) = gpu.mode.filter(|_| !gpu.serves_shared()) {
+            let _ = write!(s, "locked to {} mode", modes::mode_name(m));
+        } else if gpu.healthy {
             let _ = write!(
                 s,
                 "{} % and {} free",
@@ -570,6 +625,7 @@ fn why_not(view: &NodeView, state: &State, c: &ContainerNeed, policy: &Policy) -
             let enough = (0..view.gpus.len())
                 .filter(|&g| {
                     view.gpus[g].healthy
+                        && view.gpus[g].serves_shared()
                         && state.core_free(g) >= percent
                         && state.mem_free(view, g) >= memory_bytes
                 })
@@ -583,7 +639,9 @@ fn why_not(view: &NodeView, state: &State, c: &ContainerNeed, policy: &Policy) -
         }
         Need::Whole { gpus, memory_bytes } => {
             let free: Vec<usize> = (0..view.gpus.len())
-                .filter(|&g| view.gpus[g].healthy && state.untouched(g))
+                .filter(|&g| {
+                    view.gpus[g].healthy && view.gpus[g].serves_shared() && state.untouched(g)
+                })
                 .collect();
             if free.len() < gpus as usize {
                 format!(
@@ -611,6 +669,7 @@ fn why_not(view: &NodeView, state: &State, c: &ContainerNeed, policy: &Policy) -
                 }
             }
         }
+        Need::Exclusive { .. } | Need::Slices { .. } => modes::why_not(view, c),
     }
 }
 
@@ -663,6 +722,7 @@ fn difficulty(c: &ContainerNeed) -> (u8, u32, u32, u64) {
             100 - percent.min(100),
             u64::MAX - memory_bytes,
         ),
+        Need::Exclusive { gpus } | Need::Slices { gpus } => (2, u32::MAX - gpus, 0, 0),
     }
 }
 
@@ -678,6 +738,12 @@ pub fn filter(node: &NodeView, req: &PodRequest, policy: &Policy) -> Result<Choi
         return Err(format!(
             "node lists no GPUs in {INVENTORY_ANNOTATION}; it cannot run vcuda containers"
         ));
+    }
+    if let Some(mode) = req.mode() {
+        modes::check_mode(node, req, mode)?;
+        if mode != GpuMode::Shared {
+            return modes::filter(node, req, policy);
+        }
     }
     let base = State::of(node);
     let mut init_containers = Vec::new();
@@ -740,6 +806,9 @@ pub fn score_choice(node: &NodeView, choice: &Choice, policy: &Policy) -> i64 {
     if choice.containers.is_empty() {
         return 500;
     }
+    if choice.containers.iter().any(|p| p.need.is_device()) {
+        return modes::score(node, choice, policy);
+    }
     let mut state = State::of(node);
     for p in &choice.containers {
         state.apply(node, p, true);
@@ -793,6 +862,7 @@ pub fn score_choice(node: &NodeView, choice: &Choice, policy: &Policy) -> i64 {
                     terms.push(1.0 - avg_new);
                 }
             }
+            Need::Exclusive { .. } | Need::Slices { .. } => {}
         }
     }
     let secondary = if terms.is_empty() {
@@ -823,6 +893,10 @@ pub fn to_extender_score(fine: i64) -> i64 {
 pub fn score(node: &NodeView, req: &PodRequest, policy: &Policy) -> i64 {
     score_fine(node, req, policy).map_or(0, to_extender_score)
 }
+
+pub mod modes;
+
+pub use modes::foreign_node_passes;
 
 #[cfg(test)]
 mod tests;

@@ -867,12 +867,15 @@ mod tests {
             links: vec![],
             healthy: true,
             allocated: Allocated::default(),
+            mode: None,
+            slices_held: 0,
         };
         let inv = NodeInventory {
             schema: SCHEMA,
             gpus: vec![gpu(0, "A100"), gpu(1, "A100")],
             pods: vec![],
             lease: None,
+            modes: None,
         };
         let v = NodeView::new(&inv, &[]);
         let req = PodRequest {
@@ -884,7 +887,7 @@ mod tests {
                     memory_bytes: 4 * GIB,
                 },
             }],
-            init_containers: vec![],
+            ..PodRequest::default()
         };
         let c = filter(&v, &req, &Policy::default()).unwrap();
         assert_eq!(charges(&v, &c), vec![("A100".to_string(), amt(60, 8))]);
@@ -963,10 +966,13 @@ mod tests {
                     links: vec![],
                     healthy: true,
                     allocated: Allocated::default(),
+                    mode: None,
+                    slices_held: 0,
                 })
                 .collect(),
             pods,
             lease: None,
+            modes: None,
         }
     }
 

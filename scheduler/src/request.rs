@@ -12,6 +12,14 @@
 //!   a multiple of 100 (`100` over 2 GPUs is two halves) (see
 //!   [`vcuda_cluster::GPU_COUNT_ANNOTATION`] for the contract).
 //!
+//! **Sharing modes** (issue 19). Besides shares, a container may ask for whole GPUs through
+//! the whole-GPU resource ([`WHOLE_RESOURCE`] unless configured, as NVIDIA's device plugin
+//! names it) → [`Need::Exclusive`], or for `<domain>/sgpu` slices → [`Need::Slices`] (n slices
+//! on n different GPUs). A container uses one mode ([`RequestError::TwoModes`]) and so does a
+//! pod ([`RequestError::PodMixesModes`]): the extender writes no reservation for whole GPUs
+//! and slices (the kubelet picks those devices, the manager steers), so a pod mixing a share
+//! with slices could see the manager lock the GPU its share was reserved on to slices.
+//!
 //! **Init containers.** They run one at a time, before the app containers, and the kubelet
 //! may reuse their devices for the app containers. The rule (Kubernetes' "max of init vs sum
 //! of app containers", per GPU): each init container must fit on the node by itself, and the
@@ -20,12 +28,44 @@
 use std::collections::BTreeMap;
 
 use thiserror::Error;
-use vcuda_cluster::{CORES_PER_GPU, GPU_COUNT_ANNOTATION, MAX_GPU_COUNT, MEMORY_UNIT};
+use vcuda_cluster::{GpuMode, CORES_PER_GPU, GPU_COUNT_ANNOTATION, MAX_GPU_COUNT, MEMORY_UNIT};
 
 use crate::extender::{Container, Pod, Quantity};
 
 /// The resource domain unless configured otherwise.
 pub const DEFAULT_DOMAIN: &str = "tencent.com";
+
+/// The whole-GPU resource unless configured otherwise (NVIDIA's device plugin's name).
+pub const WHOLE_RESOURCE: &str = "nvidia.com/gpu";
+
+/// The most GPUs one container may ask for (whole GPUs or slices).
+pub const MAX_DEVICE_GPUS: u64 = 1024;
+
+/// The resource names a pod's request is read under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResourceNames {
+    /// `<domain>/vcuda-core`.
+    pub core: String,
+    /// `<domain>/vcuda-memory`.
+    pub memory: String,
+    /// `<domain>/sgpu`.
+    pub slice: String,
+    /// The whole-GPU resource (`nvidia.com/gpu`); `None`: not the extender's business (a
+    /// pod asking for it is judged by its other resources only).
+    pub whole: Option<String>,
+}
+
+impl ResourceNames {
+    /// The names under `domain`, whole GPUs as `whole` (empty: not read).
+    pub fn new(domain: &str, whole: &str) -> ResourceNames {
+        ResourceNames {
+            core: format!("{domain}/vcuda-core"),
+            memory: format!("{domain}/vcuda-memory"),
+            slice: format!("{domain}/sgpu"),
+            whole: (!whole.is_empty()).then(|| whole.to_string()),
+        }
+    }
+}
 
 /// What one container needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -37,15 +77,39 @@ pub enum Need {
         memory_bytes: u64,
     },
     /// `gpus` whole GPUs, nothing else on them; `memory_bytes` (may be 0) must fit in them.
+    /// Shared mode: `vcuda-core` = 100·n (the GPUs are locked to shared mode).
     Whole { gpus: u32, memory_bytes: u64 },
+    /// `gpus` whole GPUs of whole mode (the whole-GPU resource, `nvidia.com/gpu`): unlocked
+    /// GPUs with nothing on them; the kubelet picks which.
+    Exclusive { gpus: u32 },
+    /// One slice (`<domain>/sgpu`) on each of `gpus` different GPUs, each unlocked or
+    /// locked to slice mode with a slice free; the kubelet picks which.
+    Slices { gpus: u32 },
 }
 
 impl Need {
     /// The number of GPUs the container spans.
     pub fn gpus(&self) -> u32 {
         match *self {
-            Need::Shares { gpus, .. } | Need::Whole { gpus, .. } => gpus,
+            Need::Shares { gpus, .. }
+            | Need::Whole { gpus, .. }
+            | Need::Exclusive { gpus }
+            | Need::Slices { gpus } => gpus,
         }
+    }
+
+    /// The sharing mode it uses (and locks its GPUs to).
+    pub fn mode(&self) -> GpuMode {
+        match self {
+            Need::Shares { .. } | Need::Whole { .. } => GpuMode::Shared,
+            Need::Exclusive { .. } => GpuMode::Whole,
+            Need::Slices { .. } => GpuMode::Slice,
+        }
+    }
+
+    /// Whole GPUs or slices: devices the kubelet picks, with no reservation by the extender.
+    pub fn is_device(&self) -> bool {
+        self.mode() != GpuMode::Shared
     }
 }
 
@@ -65,12 +129,25 @@ pub struct PodRequest {
     pub containers: Vec<ContainerNeed>,
     /// Init containers: each runs alone, before the app containers.
     pub init_containers: Vec<ContainerNeed>,
+    /// The resource a whole-GPU or slice pod asks for (`nvidia.com/gpu`, `tencent.com/sgpu`),
+    /// checked against each node's names; `None` for shares.
+    pub device_resource: Option<String>,
 }
 
 impl PodRequest {
     /// True when the pod asks for no vcuda resource (every node passes).
     pub fn is_empty(&self) -> bool {
         self.containers.is_empty() && self.init_containers.is_empty()
+    }
+
+    /// The sharing mode of the pod (one per pod, see the module documentation); `None`
+    /// when it asks for nothing.
+    pub fn mode(&self) -> Option<GpuMode> {
+        self.containers
+            .iter()
+            .chain(&self.init_containers)
+            .next()
+            .map(|c| c.need.mode())
     }
 }
 
@@ -116,6 +193,19 @@ pub enum RequestError {
         core: u64,
         count: u32,
         per: u64,
+    },
+    #[error("container {container}: asks for both {first} and {second}, two sharing modes; a container uses one (a GPU is locked to the mode that uses it): keep one of them, or move the other to a pod of its own")]
+    TwoModes {
+        container: String,
+        first: String,
+        second: String,
+    },
+    #[error("containers {first_container} ({first}) and {second_container} ({second}) ask for two sharing modes; a pod uses one (whole GPUs and slices get no reservation, so a share could land on a GPU the other mode locks): ask for the same kind of resource in every container, or split the pod into one pod per mode")]
+    PodMixesModes {
+        first_container: String,
+        first: String,
+        second_container: String,
+        second: String,
     },
     #[error(
         "container {container}: {resource} {value} is too large; nothing on a node can hold it"
@@ -206,22 +296,62 @@ fn amount(c: &Container, resource: &str) -> Result<u64, RequestError> {
     }
 }
 
-/// What one container needs; `None` when it asks for no vcuda resource.
+/// What one container needs and the resource it names (for messages); `None` when it asks
+/// for no vcuda resource.
 fn container_need(
     c: &Container,
-    domain: &str,
+    names: &ResourceNames,
     gpu_count: u32,
-) -> Result<Option<ContainerNeed>, RequestError> {
-    let core_name = format!("{domain}/vcuda-core");
-    let mem_name = format!("{domain}/vcuda-memory");
-    let core = amount(c, &core_name)?;
-    let memory = amount(c, &mem_name)?;
+) -> Result<Option<(ContainerNeed, String)>, RequestError> {
+    let core_name = &names.core;
+    let mem_name = &names.memory;
+    let core = amount(c, core_name)?;
+    let memory = amount(c, mem_name)?;
+    let whole = match &names.whole {
+        Some(w) => amount(c, w)?,
+        None => 0,
+    };
+    let slices = amount(c, &names.slice)?;
     let name = c.name.clone();
     let too_large = |resource: &str, value: u64| RequestError::TooLarge {
         container: name.clone(),
         resource: resource.to_string(),
         value,
     };
+    let asked: Vec<&String> = [
+        (whole > 0, names.whole.as_ref()),
+        (slices > 0, Some(&names.slice)),
+        (core > 0, Some(core_name)),
+        (core == 0 && memory > 0, Some(mem_name)),
+    ]
+    .into_iter()
+    .filter_map(|(yes, r)| r.filter(|_| yes))
+    .collect();
+    if let [first, second, ..] = asked[..] {
+        return Err(RequestError::TwoModes {
+            container: name,
+            first: first.clone(),
+            second: second.clone(),
+        });
+    }
+    for (value, resource, exclusive) in [
+        (whole, names.whole.as_ref(), true),
+        (slices, Some(&names.slice), false),
+    ] {
+        let Some(resource) = resource.filter(|_| value > 0) else {
+            continue;
+        };
+        if value > MAX_DEVICE_GPUS {
+            return Err(too_large(resource, value));
+        }
+        let gpus = value as u32;
+        let need = if exclusive {
+            Need::Exclusive { gpus }
+        } else {
+            Need::Slices { gpus }
+        };
+        return Ok(Some((ContainerNeed { name, need }, resource.clone())));
+    }
     if core == 0 {
         if memory > 0 {
             return Err(RequestError::MemoryWithoutCore {
@@ -233,11 +363,11 @@ fn container_need(
     }
     // 2^32 memory units is 1 EiB; anything above cannot fit and would overflow the bytes.
     if memory > u64::from(u32::MAX) {
-        return Err(too_large(&mem_name, memory));
+        return Err(too_large(mem_name, memory));
     }
     let per_gpu = u64::from(CORES_PER_GPU);
     if core > per_gpu * 1024 {
-        return Err(too_large(&core_name, core));
+        return Err(too_large(core_name, core));
     }
     let need = if gpu_count == 1 && core % per_gpu == 0 {
         Need::Whole {
@@ -260,7 +390,7 @@ fn container_need(
             });
         }
         let n = u64::from(gpu_count);
-        for (resource, value) in [(&core_name, core), (&mem_name, memory)] {
+        for (resource, value) in [(core_name, core), (mem_name, memory)] {
             if value % n != 0 {
                 return Err(RequestError::NotDivisible {
                     container: name,
@@ -285,11 +415,17 @@ fn container_need(
             memory_bytes: memory / n * MEMORY_UNIT,
         }
     };
-    Ok(Some(ContainerNeed { name, need }))
+    Ok(Some((ContainerNeed { name, need }, core_name.clone())))
 }
 
-/// Read what `pod` asks for under resource `domain` (e.g. [`DEFAULT_DOMAIN`]).
+/// Read what `pod` asks for under resource `domain` (e.g. [`DEFAULT_DOMAIN`]), whole GPUs
+/// as [`WHOLE_RESOURCE`].
 pub fn pod_request(pod: &Pod, domain: &str) -> Result<PodRequest, RequestError> {
+    pod_request_with(pod, &ResourceNames::new(domain, WHOLE_RESOURCE))
+}
+
+/// Read what `pod` asks for under `names`.
+pub fn pod_request_with(pod: &Pod, names: &ResourceNames) -> Result<PodRequest, RequestError> {
     let gpu_count = match pod.metadata.annotations.get(GPU_COUNT_ANNOTATION) {
         None => 1,
         Some(v) => v
@@ -299,16 +435,39 @@ pub fn pod_request(pod: &Pod, domain: &str) -> Result<PodRequest, RequestError> 
             .filter(|n| (1..=MAX_GPU_COUNT).contains(n))
             .ok_or_else(|| RequestError::GpuCountInvalid { value: v.clone() })?,
     };
-    let read = |cs: &[Container]| -> Result<Vec<ContainerNeed>, RequestError> {
+    // (container, resource) of the first container asking for something: the pod's mode.
+    let mut first: Option<(String, String, GpuMode)> = None;
+    let mut read = |cs: &[Container]| -> Result<Vec<ContainerNeed>, RequestError> {
         let mut out = Vec::new();
         for c in cs {
-            out.extend(container_need(c, domain, gpu_count)?);
+            let Some((need, resource)) = container_need(c, names, gpu_count)? else {
+                continue;
+            };
+            match &first {
+                None => first = Some((need.name.clone(), resource, need.need.mode())),
+                Some((fc, fr, mode)) if *mode != need.need.mode() => {
+                    return Err(RequestError::PodMixesModes {
+                        first_container: fc.clone(),
+                        first: fr.clone(),
+                        second_container: need.name,
+                        second: resource,
+                    })
+                }
+                Some(_) => {}
+            }
+            out.push(need);
         }
         Ok(out)
     };
+    let containers = read(&pod.spec.containers)?;
+    let init_containers = read(&pod.spec.init_containers)?;
+    let device_resource = first
+        .filter(|(_, _, mode)| *mode != GpuMode::Shared)
+        .map(|(_, resource, _)| resource);
     Ok(PodRequest {
-        containers: read(&pod.spec.containers)?,
-        init_containers: read(&pod.spec.init_containers)?,
+        containers,
+        init_containers,
+        device_resource,
     })
 }
 
@@ -461,6 +620,76 @@ mod tests {
             .to_string();
         assert!(m.contains("requests (20) differ from limits (30)"), "{m}");
         assert!(m.starts_with("container c:"), "{m}");
+    }
+
+    const SGPU: &str = "tencent.com/sgpu";
+    const GPU: &str = "nvidia.com/gpu";
+
+    #[test]
+    fn whole_gpus_and_slices_are_read_under_their_names() {
+        assert_eq!(
+            one(&[(GPU, "2")], None).unwrap(),
+            Some(Need::Exclusive { gpus: 2 })
+        );
+        assert_eq!(
+            one(&[(SGPU, "3")], None).unwrap(),
+            Some(Need::Slices { gpus: 3 })
+        );
+        // gpu-count concerns shares only
+        assert_eq!(
+            one(&[(SGPU, "2")], Some("2")).unwrap(),
+            Some(Need::Slices { gpus: 2 })
+        );
+        assert_eq!(one(&[(GPU, "0")], None).unwrap(), None);
+        let p = pod(vec![container("c", &[(SGPU, "2")])], None);
+        let r = pod_request(&p, DEFAULT_DOMAIN).unwrap();
+        assert_eq!(r.device_resource.as_deref(), Some(SGPU));
+        assert_eq!(r.mode(), Some(GpuMode::Slice));
+        // the whole resource is configurable, and empty leaves it alone
+        let p = pod(vec![container("c", &[("example.com/gpu", "1")])], None);
+        let names = ResourceNames::new(DEFAULT_DOMAIN, "example.com/gpu");
+        let r = pod_request_with(&p, &names).unwrap();
+        assert_eq!(r.device_resource.as_deref(), Some("example.com/gpu"));
+        assert!(pod_request(&p, DEFAULT_DOMAIN).unwrap().is_empty());
+        let p = pod(vec![container("c", &[(GPU, "1")])], None);
+        let r = pod_request_with(&p, &ResourceNames::new(DEFAULT_DOMAIN, "")).unwrap();
+        assert!(r.is_empty());
+        // shares name no device resource
+        let p = pod(vec![container("c", &[(CORE, "30"), (MEM, "4")])], None);
+        let r = pod_request(&p, DEFAULT_DOMAIN).unwrap();
+        assert_eq!((r.mode(), r.device_resource), (Some(GpuMode::Shared), None));
+        let e = one(&[(SGPU, "5000")], None).unwrap_err().to_string();
+        assert!(e.contains("tencent.com/sgpu 5000 is too large"), "{e}");
+    }
+
+    #[test]
+    fn one_mode_per_container_and_per_pod() {
+        let e = |l: &[(&str, &str)]| one(l, None).unwrap_err().to_string();
+        let m = e(&[(GPU, "1"), (SGPU, "1")]);
+        assert_eq!(m, "container c: asks for both nvidia.com/gpu and tencent.com/sgpu, two sharing modes; a container uses one (a GPU is locked to the mode that uses it): keep one of them, or move the other to a pod of its own");
+        assert!(e(&[(SGPU, "1"), (CORE, "30"), (MEM, "4")])
+            .contains("both tencent.com/sgpu and tencent.com/vcuda-core"));
+        assert!(e(&[(GPU, "1"), (MEM, "4")])
+            .contains("both nvidia.com/gpu and tencent.com/vcuda-memory"));
+        // across containers (init containers included)
+        let mut p = pod(
+            vec![
+                container("a", &[(SGPU, "2")]),
+                container("b", &[(SGPU, "1")]),
+            ],
+            None,
+        );
+        assert_eq!(pod_request(&p, DEFAULT_DOMAIN).unwrap().containers.len(), 2);
+        p.spec.init_containers = vec![container("i", &[(CORE, "20"), (MEM, "2")])];
+        let m = pod_request(&p, DEFAULT_DOMAIN).unwrap_err().to_string();
+        assert!(
+            m.starts_with("containers a (tencent.com/sgpu) and i (tencent.com/vcuda-core) ask for two sharing modes")
+                && m.contains("split the pod into one pod per mode"),
+            "{m}"
+        );
+        p.spec.init_containers = vec![container("i", &[(SGPU, "1")])];
+        let r = pod_request(&p, DEFAULT_DOMAIN).unwrap();
+        assert_eq!(r.init_containers[0].need, Need::Slices { gpus: 1 });
     }
 
     #[test]

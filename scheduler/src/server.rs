@@ -29,7 +29,7 @@ use crate::extender::{
 use crate::metrics::Metrics;
 use crate::placement::{self, Choice, Expiry, NodeView};
 use crate::quota::{self, Amount};
-use crate::request::{pod_request, PodRequest};
+use crate::request::{pod_request_with, PodRequest};
 use crate::state::{node_view, AppState, NodeMeta, NodeMetas};
 
 /// The router: `<prefix>filter`, `<prefix>prioritize`, `<prefix>bind`; each request counted
@@ -105,7 +105,7 @@ async fn nodes_of(state: &AppState, args: &ExtenderArgs) -> Result<Nodes, String
 /// The pod's request, or the reason every node fails.
 fn request_of(state: &AppState, pod: Option<&Pod>) -> Result<PodRequest, String> {
     let pod = pod.ok_or("the request has no Pod")?;
-    pod_request(pod, &state.domain)
+    pod_request_with(pod, &state.resource_names())
         .map_err(|e| format!("pod {}/{}: {e}", pod.metadata.namespace, pod.metadata.name))
 }
 
@@ -119,6 +119,12 @@ fn check(
 ) -> Result<(NodeView, Choice), Refusal> {
     if let Some(why) = state.lost(name, annotations) {
         return Err(Refusal::new(why, false, "node_lost"));
+    }
+    if !annotations.contains_key(vcuda_cluster::INVENTORY_ANNOTATION)
+        && placement::foreign_node_passes(req)
+    {
+        // no vcuda-manager: another device plugin serves whole GPUs there
+        return Ok((NodeView::default(), Choice::default()));
     }
     let view = node_view(name, annotations, expiry).map_err(|why| {
         let kind = if annotations.contains_key(vcuda_cluster::INVENTORY_ANNOTATION) {
@@ -321,6 +327,13 @@ pub async fn prioritize(state: &AppState, args: &ExtenderArgs) -> Result<HostPri
         }
         if state.lost(name, &meta.annotations).is_some() {
             return 0;
+        }
+        if !meta
+            .annotations
+            .contains_key(vcuda_cluster::INVENTORY_ANNOTATION)
+            && placement::foreign_node_passes(r)
+        {
+            return placement::to_extender_score(500); // nothing known about its GPUs
         }
         match node_view(name, &meta.annotations, expiry) {
             Ok(view) => placement::score(&view, r, &state.policy),

@@ -43,8 +43,10 @@ pub type NodeMetas = Arc<HashMap<String, NodeMeta>>;
 #[derive(Clone)]
 pub struct AppState {
     pub policy: Policy,
-    /// Resource domain (`tencent.com` → `tencent.com/vcuda-core`).
+    /// Resource domain (`tencent.com` → `tencent.com/vcuda-core`, `tencent.com/sgpu`).
     pub domain: String,
+    /// `--whole-resource`: the whole-GPU resource (`nvidia.com/gpu`; empty: not read).
+    pub whole_resource: String,
     pub client: kube::Client,
     /// `--quota-configmap`: namespace pools and quotas (`None`: none).
     pub quota: Option<Arc<QuotaSource>>,
@@ -88,6 +90,7 @@ impl std::fmt::Debug for AppState {
         f.debug_struct("AppState")
             .field("policy", &self.policy)
             .field("domain", &self.domain)
+            .field("whole_resource", &self.whole_resource)
             .field("quota", &self.quota.as_ref().map(|q| q.cm.to_string()))
             .field("reservation_ttl", &self.reservation_ttl)
             .field("scheduler_names", &self.scheduler_names)
@@ -101,6 +104,7 @@ impl AppState {
         AppState {
             policy,
             domain,
+            whole_resource: crate::request::WHOLE_RESOURCE.to_string(),
             client,
             quota: None,
             reservation_ttl: DEFAULT_RESERVATION_TTL,
@@ -128,6 +132,17 @@ impl AppState {
             } => Some(liveness::refusal(name, &lease, unchanged_ms)),
             Verdict::Alive | Verdict::Unchecked => None,
         }
+    }
+
+    /// Read whole-GPU requests under `name` (empty: leave that resource alone).
+    pub fn with_whole_resource(mut self, name: String) -> AppState {
+        self.whole_resource = name;
+        self
+    }
+
+    /// The resource names pods are read under.
+    pub fn resource_names(&self) -> crate::request::ResourceNames {
+        crate::request::ResourceNames::new(&self.domain, &self.whole_resource)
     }
 
     /// Bind only pods of these schedulers (`spec.schedulerName`).

@@ -91,6 +91,24 @@ def test_picking_gpus_keeps_only_theirs(node, bins):
     assert bad.returncode != 0 and "GPU index" in bad.stderr
 
 
+def test_each_gpu_shows_the_mode_it_is_locked_to(node):
+    # A node serving shared mode only (the default): the GPU holding a share is locked to
+    # shared, the other is free; no slices.
+    node.admit("s", core=30, memory=16)
+    v = view_when(node, lambda v: v["containers"] and any(m["mode"] == "shared" for m in v["modes"]), "the share's GPU locked to shared")
+    held = container_of(v, "s")["gpus"][0]["uuid"]
+    modes = {m["uuid"]: m for m in v["modes"]}
+    assert sorted(modes) == sorted(g["uuid"] for g in v["gpus"])
+    for uuid, m in modes.items():
+        assert m["mode"] == ("shared" if uuid == held else ""), v["modes"]
+        assert (m["slices_held"], m["slices"], m["serves"]) == (0, 0, "shared"), m
+    rows = {line.split("|")[3].strip(): line.rstrip("|").split("|")[-1].strip() for line in smi(node).stdout.splitlines() if line.startswith("|") and "GPU-" in line.split("|")[3]}
+    assert rows == {uuid: ("shared" if uuid == held else "-") for uuid in modes}, rows
+    index = next(g["index"] for g in v["gpus"] if g["uuid"] == held)
+    only = json.loads(smi(node, "--json", "-i", str(index)).stdout)
+    assert [m["uuid"] for m in only["modes"]] == [held]
+
+
 def test_inside_a_container_it_shows_only_that_container(node, bins):
     a = node.admit("mine", core=30, memory=16)
     node.admit("theirs", core=30, memory=16)
@@ -104,6 +122,7 @@ def test_inside_a_container_it_shows_only_that_container(node, bins):
     assert len(v["gpus"]) == 1 and v["gpus"][0]["uuid"] == ca.config["gpu"][0]["uuid"]
     rc, table, err = ca.run([SMI])
     assert "default/mine/main" in table and "theirs" not in table and "this container" in table, table
+    assert v["modes"] == [] and "Mode" not in table, table
     # Its socket serves neither the node's view nor another container's.
     sock = ca.mounts["/run/vcuda/sock"] + "/manager.sock"
     rc, out, err = ca.run([SMI, "--socket", sock, "--config", "/nonexistent"])

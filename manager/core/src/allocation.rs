@@ -113,6 +113,12 @@ pub struct Allocation {
     pub owner: Option<Owner>,
     /// Seconds since the epoch when Allocate made it.
     pub created: u64,
+    /// A slice allocation (issue 19): `cores` holds its `<domain>/sgpu` device IDs, one per
+    /// GPU, and `quota` (each GPU's memory / K) is fixed at Allocate; `percent` is 100
+    /// (no compute limit) or 100/K. Absent from the checkpoint for share allocations, so
+    /// that the previous release reads every share allocation as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub slice: bool,
 }
 
 impl Allocation {
@@ -231,6 +237,20 @@ pub fn answer(layout: &Layout, alloc: &Allocation, gpus: &[Gpu]) -> Answer {
     // container must not be able to replace the node's socket with its own.
     a.mounts
         .push(ro(CONTAINER_SOCKET_DIR, layout.socket_dir.clone()));
+    gpu_answer(&mut a, &alloc.gpus, gpus);
+    a.envs.insert(
+        "VCUDA_CONFIG".into(),
+        format!("{CONTAINER_CONFIG_DIR}/vcuda.toml"),
+    );
+    a.annotations
+        .insert("vcuda.io/allocation".into(), alloc.id.to_string());
+    a
+}
+
+/// What every GPU container gets, and all a whole-GPU container (issue 19) gets, as NVIDIA's
+/// device plugin gives it: the control nodes, each GPU's device node, and
+/// `NVIDIA_VISIBLE_DEVICES` / `NVIDIA_DRIVER_CAPABILITIES`.
+pub fn gpu_answer(a: &mut Answer, uuids: &[String], gpus: &[Gpu]) {
     let rw = |p: &str| DeviceNode {
         container: p.into(),
         host: p.into(),
@@ -239,24 +259,17 @@ pub fn answer(layout: &Layout, alloc: &Allocation, gpus: &[Gpu]) -> Answer {
     for p in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
         a.devices.push(rw(p));
     }
-    for uuid in &alloc.gpus {
+    for uuid in uuids {
         if let Some(g) = gpus.iter().find(|g| &g.uuid == uuid) {
             a.devices.push(rw(&format!("/dev/nvidia{}", g.minor)));
         }
     }
     a.envs
-        .insert("NVIDIA_VISIBLE_DEVICES".into(), alloc.gpus.join(","));
+        .insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
     a.envs.insert(
         "NVIDIA_DRIVER_CAPABILITIES".into(),
         "compute,utility".into(),
     );
-    a.envs.insert(
-        "VCUDA_CONFIG".into(),
-        format!("{CONTAINER_CONFIG_DIR}/vcuda.toml"),
-    );
-    a.annotations
-        .insert("vcuda.io/allocation".into(), alloc.id.to_string());
-    a
 }
 
 /// The config the library reads, for a finished allocation.
@@ -270,7 +283,7 @@ pub fn container_config(alloc: &Allocation, gpus: &[Gpu]) -> ContainerConfig {
                 .find(|g| &g.uuid == uuid)
                 .map_or(0, |g| g.memory);
             // Whole GPUs: the GPU's memory, still shown as the container's GPU size.
-            let quota = if alloc.percent >= 100 {
+            let quota = if alloc.percent >= 100 && !alloc.slice {
                 total
             } else {
                 alloc.quota
@@ -302,6 +315,10 @@ pub struct Holdings {
     pub container: String,
     pub cores: Vec<String>,
     pub memory: Vec<String>,
+    /// Its slices (`<domain>/sgpu`).
+    pub slices: Vec<String>,
+    /// Its whole GPUs (the whole-GPU resource).
+    pub whole: Vec<String>,
 }
 
 impl Holdings {
@@ -509,6 +526,7 @@ mod tests {
 
     fn alloc(percent: u32, gpus: &[&str]) -> Allocation {
         Allocation {
+            slice: false,
             id: "a1".into(),
             cores: vec![],
             gpus: gpus.iter().map(|s| s.to_string()).collect(),
@@ -585,6 +603,8 @@ mod tests {
     fn pre_start_refuses_what_would_run_wrong() {
         let n = node();
         let held = |cores: Vec<String>, memory: Vec<String>| Holdings {
+            slices: Vec::new(),
+            whole: Vec::new(),
             namespace: "ns".into(),
             pod: "p".into(),
             container: "c".into(),
@@ -649,6 +669,8 @@ mod tests {
     fn a_split_over_gpus_needs_the_pods_gpu_count() {
         let n = node();
         let held = |cores, memory| Holdings {
+            slices: Vec::new(),
+            whole: Vec::new(),
             namespace: "ns".into(),
             pod: "p".into(),
             container: "c".into(),

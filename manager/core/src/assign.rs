@@ -660,6 +660,8 @@ pub fn node_inventory(
                     .collect(),
                 healthy: health.get(i).copied().unwrap_or(true),
                 allocated,
+                mode: None,
+                slices_held: 0,
             }
         })
         .collect();
@@ -669,12 +671,17 @@ pub fn node_inventory(
         gpus,
         pods,
         lease: None,
+        modes: None,
     }
 }
 
 /// What an allocation takes on one GPU of `memory` bytes: (percent, bytes).
 fn take(a: &Allocation, memory: u64) -> (u32, u64) {
-    if a.percent >= CORES_PER_GPU {
+    if a.slice {
+        // One slice of K on this GPU: 100/K % (its quota is memory / K), whatever its limit.
+        let percent = u64::from(CORES_PER_GPU) * a.quota / memory.max(1);
+        (percent.min(u64::from(CORES_PER_GPU)) as u32, a.quota)
+    } else if a.percent >= CORES_PER_GPU {
         (CORES_PER_GPU, memory)
     } else {
         (a.percent, a.quota)
@@ -1155,6 +1162,7 @@ mod tests {
 
     fn alloc(gpus: &[&str], percent: u32, quota: u64) -> Allocation {
         Allocation {
+            slice: false,
             id: "a1".into(),
             cores: vec![],
             gpus: gpus.iter().map(|g| g.to_string()).collect(),

@@ -250,6 +250,7 @@ mod tests {
             library: "/usr/local/vcuda/lib64/libvcuda.so".into(),
         };
         let a = Allocation {
+            slice: false,
             id: AllocationId::new(ID),
             cores: vec![],
             gpus: vec![U0.into()],

@@ -184,6 +184,7 @@ mod tests {
     #[test]
     fn a_whole_gpu_has_no_quota_and_no_compute_limit() {
         let mut a = Allocation {
+            slice: false,
             id: "a1".into(),
             cores: vec![],
             gpus: vec!["GPU-1".into()],

@@ -20,6 +20,8 @@ fn gpu(index: u32, cc: &str, mem_gib: u64, core: u32, used_gib: u64) -> GpuInven
             core_percent: core,
             memory_bytes: used_gib * GIB,
         },
+        mode: None,
+        slices_held: 0,
     }
 }
 
@@ -47,6 +49,7 @@ fn with_links(mut gpus: Vec<GpuInventory>) -> NodeInventory {
         gpus,
         pods: vec![],
         lease: None,
+        modes: None,
     }
 }
 
@@ -78,7 +81,7 @@ fn whole(name: &str, gpus: u32) -> ContainerNeed {
 fn pod(containers: Vec<ContainerNeed>) -> PodRequest {
     PodRequest {
         containers,
-        init_containers: Vec::new(),
+        ..PodRequest::default()
     }
 }
 
@@ -503,6 +506,7 @@ fn arb_pod() -> impl Strategy<Value = PodRequest> {
                     need,
                 })
                 .collect(),
+            device_resource: None,
         })
 }
 
@@ -577,6 +581,9 @@ fn check_placement(v: &NodeView, placed: &[Placed], policy: &Policy) -> Result<(
                     core[g] = 100;
                     mem[g] = v.gpus[g].memory_bytes;
                 }
+            }
+            Need::Exclusive { .. } | Need::Slices { .. } => {
+                return Err(format!("{}: a device need in the shares search", p.name))
             }
         }
     }

@@ -12,9 +12,11 @@
 //! {"op":"delete","pod":"p","namespace":"default"}
 //! {"op":"restart"}
 //! {"op":"wait-registered","resource":"tencent.com/vcuda-core","timeout_s":30}
+//! {"op":"wait-capacity","capacity":{"nvidia.com/gpu":4},"allocatable":{"nvidia.com/gpu":4},"timeout_s":10}
 //! {"op":"ping","resource":"tencent.com/vcuda-core","count":100,"group":2,"gap_ms":20}
 //! ```
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,6 +60,15 @@ pub enum Request {
     Restart,
     WaitRegistered {
         resource: String,
+        #[serde(default = "default_timeout")]
+        timeout_s: f64,
+    },
+    /// Until each resource has this capacity (and allocatable count); absent: 0.
+    WaitCapacity {
+        #[serde(default)]
+        capacity: BTreeMap<String, usize>,
+        #[serde(default)]
+        allocatable: BTreeMap<String, usize>,
         #[serde(default = "default_timeout")]
         timeout_s: f64,
     },
@@ -131,7 +142,7 @@ async fn connection(sim: Arc<Simulator>, stream: UnixStream) {
                 result: None,
                 error: Some(format!(
                     "bad request {line:?}: {e}; send one JSON object per line with an \"op\" of \
-                     status, admit, start-container, delete, restart or wait-registered"
+                     status, admit, start-container, delete, restart, wait-registered or wait-capacity"
                 )),
             },
         };
@@ -169,6 +180,14 @@ async fn handle(sim: &Simulator, req: Request) -> Result<serde_json::Value, SimE
         } => {
             let timeout = Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::ZERO);
             json(&sim.wait_registered(&resource, timeout).await?)
+        }
+        Request::WaitCapacity {
+            capacity,
+            allocatable,
+            timeout_s,
+        } => {
+            let timeout = Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::ZERO);
+            json(&sim.wait_capacity(&capacity, &allocatable, timeout).await?)
         }
         Request::Ping {
             resource,
@@ -278,6 +297,16 @@ mod tests {
             })
             .unwrap(),
             r#"{"op":"wait-registered","resource":"a.com/x","timeout_s":5.0}"#
+        );
+        let r: Request =
+            serde_json::from_str(r#"{"op":"wait-capacity","capacity":{"a.com/x":4}}"#).unwrap();
+        assert_eq!(
+            r,
+            Request::WaitCapacity {
+                capacity: [("a.com/x".to_string(), 4)].into(),
+                allocatable: BTreeMap::new(),
+                timeout_s: 30.0
+            }
         );
     }
 }

@@ -89,6 +89,14 @@ pub enum SimError {
     InvalidPod(String),
     #[error("timed out after {seconds:.1}s waiting for {what}")]
     Timeout { seconds: f64, what: String },
+    #[error("timed out after {seconds:.1}s waiting for capacity {want}; last seen {seen}")]
+    CapacityTimeout {
+        seconds: f64,
+        /// What was awaited, e.g. `a.com/x=4 (allocatable 4)`.
+        want: String,
+        /// The same resources' capacity (allocatable) when the wait gave up.
+        seen: String,
+    },
     #[error("{resource} has no plugin connected; wait-registered first")]
     NotConnected { resource: String },
     #[error("{resource}: {message}")]
@@ -1385,6 +1393,80 @@ impl Simulator {
             })
             .await?;
         Ok(s.resource(resource).cloned().expect("checked above"))
+    }
+}
+
+impl Simulator {
+    /// Waits until every resource of `capacity` has that many devices (a resource never
+    /// registered has 0) and every resource of `allocatable` that many healthy ones, woken by
+    /// every state change (a ListAndWatch message, a restart). On timeout the error gives
+    /// what was last seen.
+    pub async fn wait_capacity(
+        &self,
+        capacity: &BTreeMap<String, usize>,
+        allocatable: &BTreeMap<String, usize>,
+        timeout: Duration,
+    ) -> Result<Status, SimError> {
+        let done = |s: &Status| capacity_matches(s, capacity, allocatable);
+        match self.wait_for(timeout, "capacity", done).await {
+            Err(SimError::Timeout { seconds, .. }) => Err(SimError::CapacityTimeout {
+                seconds,
+                want: capacity_text(capacity, allocatable),
+                seen: {
+                    let s = self.status();
+                    let count = |r: &str, alloc: bool| {
+                        s.resource(r)
+                            .map_or(0, |r| if alloc { r.allocatable } else { r.capacity })
+                    };
+                    let cap: BTreeMap<String, usize> = capacity
+                        .keys()
+                        .map(|r| (r.clone(), count(r, false)))
+                        .collect();
+                    let all: BTreeMap<String, usize> = allocatable
+                        .keys()
+                        .map(|r| (r.clone(), count(r, true)))
+                        .collect();
+                    capacity_text(&cap, &all)
+                },
+            }),
+            other => other,
+        }
+    }
+}
+
+/// Whether `s` shows these capacities and allocatable counts (absent resource: 0).
+fn capacity_matches(
+    s: &Status,
+    capacity: &BTreeMap<String, usize>,
+    allocatable: &BTreeMap<String, usize>,
+) -> bool {
+    let count = |r: &str, alloc: bool| {
+        s.resource(r)
+            .map_or(0, |r| if alloc { r.allocatable } else { r.capacity })
+    };
+    capacity.iter().all(|(r, &n)| count(r, false) == n)
+        && allocatable.iter().all(|(r, &n)| count(r, true) == n)
+}
+
+/// `a.com/x=4, b.com/y=2 (allocatable a.com/x=3)`.
+fn capacity_text(
+    capacity: &BTreeMap<String, usize>,
+    allocatable: &BTreeMap<String, usize>,
+) -> String {
+    let list = |m: &BTreeMap<String, usize>| {
+        m.iter()
+            .map(|(r, n)| format!("{r}={n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if allocatable.is_empty() {
+        format!("{{{}}}", list(capacity))
+    } else {
+        format!(
+            "{{{}}} (allocatable {{{}}})",
+            list(capacity),
+            list(allocatable)
+        )
     }
 }
 

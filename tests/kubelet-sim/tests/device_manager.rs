@@ -57,6 +57,39 @@ async fn register_connects_back_inside_the_call_then_reads_list_and_watch() {
     assert_eq!(r.healthy, r.devices);
 }
 
+/// §3: capacity and allocatable follow each ListAndWatch message; `wait_capacity` (the
+/// control socket's `wait-capacity`) returns once they match, counts a resource never
+/// registered as 0, and on timeout says what it last saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_capacity_follows_list_and_watch_and_reports_what_it_saw() {
+    let env = Env::new();
+    let p = env
+        .registered(CORE, "core.sock", Script::default(), devs("c", 4))
+        .await;
+    let want = |n: usize| [(CORE.to_string(), n)].into();
+    let none = std::collections::BTreeMap::new();
+    let s = env.sim.wait_capacity(&want(4), &want(4), T).await.unwrap();
+    assert_eq!(s.resource(CORE).unwrap().capacity, 4);
+    let (two, one) = (want(2), want(1));
+    let waiter = env.sim.wait_capacity(&two, &one, T);
+    p.set_devices(vec![dev("c00", true), dev("c01", false)]);
+    let s = waiter.await.unwrap();
+    let r = s.resource(CORE).unwrap();
+    assert_eq!((r.capacity, r.allocatable), (2, 1));
+    let absent = [("example.com/never".to_string(), 0)].into();
+    env.sim.wait_capacity(&absent, &none, T).await.unwrap();
+    let e = env
+        .sim
+        .wait_capacity(&want(3), &none, std::time::Duration::from_millis(200))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("capacity {{{CORE}=3}}; last seen {{{CORE}=2}}")),
+        "{e}"
+    );
+}
+
 /// §1.3–1.4: unsupported version and invalid resource names are rejected before any
 /// connect-back; a GetDevicePluginOptions error or an unreachable endpoint fails Register.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

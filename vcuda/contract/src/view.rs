@@ -21,6 +21,26 @@ pub struct View {
     pub taken_unix: u64,
     pub gpus: Vec<GpuView>,
     pub containers: Vec<ContainerView>,
+    /// Each GPU's sharing mode (issue 19), in `gpus`' order; empty from a manager before
+    /// modes. Last in the struct, so that a reader before modes decodes the rest unchanged
+    /// (postcard ignores what follows what it knows).
+    #[serde(default)]
+    pub modes: Vec<GpuModeView>,
+}
+
+/// One GPU's sharing mode.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuModeView {
+    pub uuid: String,
+    /// `whole`, `slice` or `shared`: the mode it is locked to; empty while unlocked.
+    pub mode: String,
+    /// Slices held (slice mode).
+    pub slices_held: u32,
+    /// Slices per GPU (K) on this node; 0 when slice mode is off.
+    pub slices: u32,
+    /// The modes whose devices the GPU lists now, comma-separated (`whole,slice,shared`
+    /// while unlocked on a node serving all three).
+    pub serves: String,
 }
 
 /// One GPU.
@@ -116,6 +136,7 @@ impl View {
             .cloned()
             .collect();
         Some(View {
+            modes: Vec::new(),
             schema: self.schema,
             scope: "container".into(),
             taken_unix: self.taken_unix,
@@ -140,6 +161,7 @@ mod tests {
 
     fn view() -> View {
         View {
+            modes: Vec::new(),
             schema: SCHEMA,
             scope: "node".into(),
             taken_unix: 1,

@@ -13,7 +13,7 @@ use std::fmt::Write as _;
 pub mod baseline;
 pub mod selftest;
 
-use vcuda_contract::view::View;
+use vcuda_contract::view::{GpuModeView, View};
 
 /// Keep only GPUs whose index is in `ids` (and the containers on them, with only those
 /// GPUs). An empty `ids` keeps everything.
@@ -22,6 +22,8 @@ pub fn filter(mut v: View, ids: &[u32]) -> View {
         return v;
     }
     v.gpus.retain(|g| ids.contains(&g.index));
+    let kept: Vec<&str> = v.gpus.iter().map(|g| g.uuid.as_str()).collect();
+    v.modes.retain(|m| kept.contains(&m.uuid.as_str()));
     for c in &mut v.containers {
         c.gpus.retain(|g| ids.contains(&g.index));
     }
@@ -80,8 +82,20 @@ pub(crate) fn table(out: &mut String, header: &[&str], rows: &[Vec<String>], rig
     let _ = writeln!(out, "+{rule}+");
 }
 
+/// A GPU's `Mode` cell: `whole`, `slice 1/2` (slices held / slices per GPU), `shared`, or
+/// `-` while it is locked to no mode; `N/A` if the view names no mode for it.
+fn mode_cell(m: Option<&GpuModeView>) -> String {
+    match m {
+        None => "N/A".into(),
+        Some(m) if m.mode.is_empty() => "-".into(),
+        Some(m) if m.mode == "slice" => format!("slice {}/{}", m.slices_held, m.slices),
+        Some(m) => m.mode.clone(),
+    }
+}
+
 /// The nvidia-smi style text of a view. `inside`: shown inside a container (pids are the
-/// container's own).
+/// container's own). A `Mode` column (issue 19's sharing modes) appears only when the view
+/// carries modes: a manager before modes, and a container's view, show the table as before.
 pub fn render(v: &View, inside: bool) -> String {
     let mut out = String::new();
     let scope = if v.scope == "container" {
@@ -90,11 +104,12 @@ pub fn render(v: &View, inside: bool) -> String {
         "node"
     };
     let _ = writeln!(out, "vcuda-smi — {scope}");
+    let modes = !v.modes.is_empty();
     let gpus: Vec<Vec<String>> = v
         .gpus
         .iter()
         .map(|g| {
-            vec![
+            let mut row = vec![
                 g.index.to_string(),
                 g.name.clone(),
                 g.uuid.clone(),
@@ -110,23 +125,28 @@ pub fn render(v: &View, inside: bool) -> String {
                     mib(g.memory_allocated_bytes)
                 ),
                 if g.healthy { "ok" } else { "UNHEALTHY" }.into(),
-            ]
+            ];
+            if modes {
+                row.push(mode_cell(v.modes.iter().find(|m| m.uuid == g.uuid)));
+            }
+            row
         })
         .collect();
-    table(
-        &mut out,
-        &[
-            "GPU",
-            "Name",
-            "UUID",
-            "Memory used / total",
-            "Util",
-            "Allocated core / memory",
-            "Health",
-        ],
-        &gpus,
-        &[true, false, false, true, true, true, false],
-    );
+    let mut header = vec![
+        "GPU",
+        "Name",
+        "UUID",
+        "Memory used / total",
+        "Util",
+        "Allocated core / memory",
+        "Health",
+    ];
+    let mut right = vec![true, false, false, true, true, true, false];
+    if modes {
+        header.push("Mode");
+        right.push(false);
+    }
+    table(&mut out, &header, &gpus, &right);
     if v.containers.is_empty() {
         let _ = writeln!(out, "No containers.");
         return out;
@@ -255,6 +275,7 @@ mod tests {
             }],
         };
         View {
+            modes: Vec::new(),
             schema: 1,
             scope: "node".into(),
             taken_unix: 0,
@@ -288,6 +309,113 @@ mod tests {
                 assert_eq!(l.chars().count(), width, "{l}");
             }
         }
+    }
+
+    fn mode(uuid: &str, mode: &str, slices_held: u32, serves: &str) -> GpuModeView {
+        GpuModeView {
+            uuid: uuid.into(),
+            mode: mode.into(),
+            slices_held,
+            slices: 2,
+            serves: serves.into(),
+        }
+    }
+
+    /// The GPU table's header row.
+    fn gpu_header(text: &str) -> &str {
+        text.lines().find(|l| l.starts_with("| GPU ")).unwrap()
+    }
+
+    /// The GPU table's row of `uuid`, its cells trimmed.
+    fn gpu_row(text: &str, uuid: &str) -> Vec<String> {
+        let line = text
+            .lines()
+            .find(|l| l.contains(&format!(" {uuid} ")))
+            .unwrap_or_else(|| panic!("no row for {uuid}:\n{text}"));
+        line.trim_matches('|')
+            .split('|')
+            .map(|c| c.trim().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn without_modes_the_gpu_table_is_as_before() {
+        // A manager before modes sends none: no Mode column.
+        let text = render(&view(), false);
+        assert_eq!(
+            gpu_header(&text),
+            "| GPU | Name                  | UUID  | Memory used / total | Util | Allocated core / memory | Health    |"
+        );
+        assert!(!text.contains("Mode"), "{text}");
+    }
+
+    #[test]
+    fn each_gpu_shows_its_mode_and_slices() {
+        let mut v = view();
+        v.gpus.push(GpuView {
+            index: 2,
+            uuid: "GPU-2".into(),
+            ..v.gpus[0].clone()
+        });
+        v.modes = vec![
+            mode("GPU-0", "slice", 1, "slice"),
+            mode("GPU-1", "whole", 0, "whole"),
+            mode("GPU-2", "", 0, "whole,slice,shared"),
+        ];
+        let text = render(&v, false);
+        assert!(
+            gpu_header(&text).ends_with("| Health    | Mode      |"),
+            "{text}"
+        );
+        let last = |uuid| gpu_row(&text, uuid).last().cloned().unwrap();
+        assert_eq!(last("GPU-0"), "slice 1/2");
+        assert_eq!(last("GPU-1"), "whole");
+        assert_eq!(last("GPU-2"), "-");
+        // Shared mode, and a GPU the view names no mode for.
+        v.modes = vec![mode("GPU-0", "shared", 0, "shared")];
+        let text = render(&v, false);
+        assert_eq!(gpu_row(&text, "GPU-0").last().unwrap(), "shared");
+        assert_eq!(gpu_row(&text, "GPU-1").last().unwrap(), "N/A");
+        // Still aligned: every row as wide as its rules.
+        let lines: Vec<&str> = text.lines().collect();
+        let rule = lines.iter().find(|l| l.starts_with('+')).unwrap();
+        assert_eq!(
+            gpu_header(&text).chars().count(),
+            rule.chars().count(),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn picking_gpus_keeps_only_their_modes() {
+        let mut v = view();
+        v.modes = vec![
+            mode("GPU-0", "slice", 2, "slice"),
+            mode("GPU-1", "shared", 0, "shared"),
+        ];
+        let v = filter(v, &[1]);
+        assert_eq!(v.modes, vec![mode("GPU-1", "shared", 0, "shared")]);
+        let text = render(&v, false);
+        assert_eq!(gpu_row(&text, "GPU-1").last().unwrap(), "shared");
+        assert!(!text.contains("slice"), "{text}");
+    }
+
+    #[test]
+    fn json_carries_the_modes() {
+        // What `vcuda-smi --json` prints: the View as serde writes it.
+        let mut v = view();
+        v.modes = vec![mode("GPU-0", "slice", 1, "slice")];
+        let j = serde_json::to_value(&v).unwrap();
+        assert_eq!(
+            j["modes"],
+            serde_json::json!([{"uuid": "GPU-0", "mode": "slice", "slices_held": 1,
+                                "slices": 2, "serves": "slice"}])
+        );
+        // From a manager before modes: an empty list.
+        assert_eq!(
+            serde_json::to_value(view()).unwrap()["modes"],
+            serde_json::json!([])
+        );
     }
 
     #[test]

@@ -26,7 +26,8 @@ const ABOUT: &str = "\
 Show vcuda's GPUs and the containers sharing them, like nvidia-smi.
 
 On a node it shows every GPU (memory used/total, utilization, the shares and memory
-allocated on it, health) and every container (namespace/pod/container, GPU, core share and
+allocated on it, health, and its sharing mode: whole, slice held/K, shared, or - while
+locked to none) and every container (namespace/pod/container, GPU, core share and
 limit, utilization now, memory used/quota, time throttled, out-of-memory refusals, and its
 processes by host pid). Inside a container (where vcuda's config is mounted) the same command
 shows only that container.

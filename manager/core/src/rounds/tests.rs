@@ -7,6 +7,7 @@ fn rounds() -> Rounds {
 
 fn alloc(id: &str, percent: u32, created: u64, cores: &[&str]) -> Allocation {
     Allocation {
+        slice: false,
         id: id.into(),
         cores: cores.iter().map(|c| c.to_string()).collect(),
         gpus: vec!["GPU-1".into()],
