@@ -17,11 +17,20 @@ with `docker run` from the Allocate answer, in the pod's kubelet-shaped cgroup (
 scripts/build-images); the demo shows one container's `docker inspect` mounts next to the
 answer that produced them. --systemd-cgroups names the pod cgroups as the kubelet's systemd
 driver does (`kubepods.slice/.../kubepods-burstable-pod<uid>.slice`).
+
+With --modes the demo is instead the mixed-mode scene (issue 19; seed 002's worked example):
+one vcuda-manager with `--modes whole,slice,shared --slices 2` on four simulated 40 GiB GPUs.
+An experiment asks for `tencent.com/sgpu: 2`, an inference service for a share, a training
+job for `nvidia.com/gpu: 1`; each GPU is locked to the mode of its first allocation, and the
+kubelet's capacities (printed after each step) shrink accordingly: 4/8/640 whole GPUs, slices
+and vcuda-memory units, then 2/8/320, 1/6/320, 1/4/160, and back to 4/8/640 once the pods are
+deleted. tests/demo/test_demo_modes.py checks what it prints.
 """
 
 import json
 import pathlib
 import signal
+import socket
 import tomllib
 import subprocess
 import sys
@@ -65,6 +74,8 @@ def say(msg):
 
 def main():
     bins = pathlib.Path(sys.argv[1]).resolve()
+    if "--modes" in sys.argv[2:]:
+        return modes_scene()
     containers = "--containers" in sys.argv[2:]
     driver = "systemd" if "--systemd-cgroups" in sys.argv[2:] else "cgroupfs"
     work = pathlib.Path(tempfile.mkdtemp(prefix="vcuda-demo."))
@@ -180,6 +191,159 @@ def main():
         if pid_service:
             pid_service.kill()
             pid_service.wait()
+        node.close()
+
+
+# ---- --modes: whole GPUs, slices and shares on one node (issue 19) ---------------------------
+
+WHOLE = "nvidia.com/gpu"
+SGPU = "tencent.com/sgpu"
+MODE_RESOURCES = (WHOLE, SGPU, CORE, MEMORY)
+SOCKET_OF = {WHOLE: "vcuda-whole.sock", SGPU: "vcuda-sgpu.sock", CORE: "vcuda-core.sock", MEMORY: "vcuda-memory.sock"}
+
+
+def ctl(node, op, **req):
+    """One request on kubelet-sim's control socket (JSON lines, tests/kubelet-sim/README.md)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(90)
+    s.connect(str(node.control))
+    try:
+        s.sendall(json.dumps({"op": op, **req}).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                raise SystemExit(f"kubelet-sim closed the control connection during {op}")
+            buf += chunk
+    finally:
+        s.close()
+    reply = json.loads(buf)
+    if not reply["ok"]:
+        raise SystemExit(f"kubelet-sim {op}: {reply['error']}\n--- manager log (tail)\n" + "\n".join(node.log().splitlines()[-30:]))
+    return reply["result"]
+
+
+def capacities(node):
+    """{resource: (capacity, allocatable, devices allocated to pods)}, as the kubelet has them."""
+    res = {r["name"]: r for r in ctl(node, "status")["resources"]}
+    return {r: (res[r]["capacity"], res[r]["allocatable"], len(res[r]["allocated"])) if r in res else (0, 0, 0)
+            for r in MODE_RESOURCES}
+
+
+def settle(node, want, since, timeout=10.0):
+    """Poll the kubelet's view until capacity and allocatable are `want` ({resource: n}), or
+    `timeout`; the view then and how long after `since` it was reached (None: never)."""
+    while True:
+        cur = capacities(node)
+        if all(cur[r][0] == cur[r][1] == n for r, n in want.items()):
+            return cur, time.monotonic() - since
+        if time.monotonic() - since > timeout:
+            return cur, None
+        time.sleep(0.02)
+
+
+def modes_scene():
+    sys.path.insert(0, str(HERE.parent / "vcuda"))
+    from limit_common import gpus_config
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="vcuda-demo-modes."))
+    sim = Sim(work)
+    sim.write_config(gpus_config(4))
+    node = Node(sim, work / "node")
+    per_gpu = {WHOLE: 1, SGPU: 2, CORE: 100, MEMORY: 40960 // 256}
+    try:
+        say("kubelet-sim and vcuda-manager --modes whole,slice,shared --slices 2 on four simulated 40 GiB GPUs")
+        t0 = time.monotonic()
+        node.start_kubelet().start_manager("--modes", "whole,slice,shared", "--slices", "2")
+        for r in MODE_RESOURCES:
+            ctl(node, "wait-registered", resource=r, timeout_s=20)
+        print(f"  registered {len(MODE_RESOURCES)} resources in {time.monotonic() - t0:.2f} s: "
+              + ", ".join(f"{r} ({SOCKET_OF[r]})" for r in MODE_RESOURCES))
+        uuids = [g["uuid"] for g in sim.status()["gpus"]]
+        short = {u: f"GPU {i}" for i, u in enumerate(uuids)}
+
+        say("the kubelet's capacity (= allocatable) of each resource after each step; allocated to pods in brackets,\n"
+            "   and how long after the step the kubelet showed it")
+        cols = [WHOLE, SGPU, CORE.split("/")[1], MEMORY.split("/")[1]]
+        print(f"  {'step':50}" + "".join(f"{c:>18}" for c in cols))
+
+        def row(step, want, since, note="", timeout=10.0):
+            """One step's line, once the kubelet shows the capacities `want` (or `timeout`)."""
+            cur, took = settle(node, want, since, timeout)
+            line = f"  {step:50}" + "".join(f"{f'{cur[r][0]} ({cur[r][2]})':>18}" for r in MODE_RESOURCES)
+            if took is None:
+                line += "  !! expected " + "/".join(str(want[r]) for r in MODE_RESOURCES)
+            else:
+                line += f"  [{took:.2f} s]{note}"
+            print(line, flush=True)
+            return cur
+
+        locks = {u: None for u in uuids}
+
+        def want():
+            """Capacity per resource with `locks`: a GPU counts for every mode while unlocked,
+            for its own mode only while locked."""
+            mode_of = {WHOLE: "whole", SGPU: "slice", CORE: "shared", MEMORY: "shared"}
+            return {r: sum(per_gpu[r] for u in uuids if locks[u] in (None, mode_of[r])) for r in MODE_RESOURCES}
+
+        row("start: four GPUs, every one unlocked", want(), time.monotonic())
+        pods = [
+            ("experiment", {SGPU: 2}, "slice"),
+            ("inference", {CORE: 30, MEMORY: 10}, "shared"),
+            ("training", {WHOLE: 1}, "whole"),
+        ]
+        details = []
+        for name, res, mode in pods:
+            t = time.monotonic()
+            r = ctl(node, "admit", pod=name, start=True,
+                    containers=[{"name": "main", "resources": [{"resource": k, "quantity": q} for k, q in res.items()]}])
+            if not r["admitted"]:
+                raise SystemExit(f"{name} was not admitted: {r['rejection']}")
+            (c,) = r["containers"]
+            gpus = []
+            for ids in c["devices"].values():
+                for d in ids:
+                    u = next(u for u in uuids if d.startswith(u))
+                    if u not in gpus:
+                        gpus.append(u)
+            for u in gpus:
+                locks[u] = mode
+            asked = ", ".join(f"{k.split('/')[-1] if k != WHOLE else k}: {q}" for k, q in res.items())
+            row(f"+ {name} ({asked})", want(), t, f"  -> {', '.join(short[u] for u in gpus)} locked to {mode}")
+            details.append((name, mode, c, gpus))
+            if c.get("start") and not c["start"].get("started"):
+                print(f"  !! {name}'s container did not start: {c['start']}")
+
+        say("what each container got (the Allocate answers)")
+        for name, mode, c, gpus in details:
+            ans = c["allocate_response"]
+            mounts = sorted(m["container_path"] for m in ans["mounts"])
+            lib = any("libvcuda" in m["host_path"] or m["container_path"] == "/etc/ld.so.preload" for m in ans["mounts"])
+            devs = ", ".join(sorted(k.split("/")[-1] for k in c["devices"]))
+            print(f"  {name} ({mode}): {devs} on {', '.join(short[u] for u in gpus)}; "
+                  f"libvcuda {'mounted and preloaded' if lib else 'NOT mounted, no preload'}")
+            if mode == "whole":
+                envs = ans["envs"]
+                print(f"         NVIDIA_VISIBLE_DEVICES={envs.get('NVIDIA_VISIBLE_DEVICES')} "
+                      f"NVIDIA_DRIVER_CAPABILITIES={envs.get('NVIDIA_DRIVER_CAPABILITIES')}; "
+                      f"device nodes {', '.join(d['container_path'] for d in ans['devices'])}; "
+                      f"mounts: {', '.join(mounts) or 'none'}")
+            elif "/etc/vcuda" in {m["container_path"] for m in ans["mounts"]}:
+                cfg_dir = next(m["host_path"] for m in ans["mounts"] if m["container_path"] == "/etc/vcuda")
+                cfg = tomllib.loads((pathlib.Path(cfg_dir) / "vcuda.toml").read_text())
+                quotas = ", ".join(f"{short.get(g['uuid'], g['uuid'])}: {g.get('memory_mib')} MiB, core {g.get('core')}"
+                                   for g in cfg.get("gpu", []))
+                print(f"         its config: {quotas}")
+
+        say("the three pods are deleted: each GPU's last allocation ends, it is unlocked, every resource comes back")
+        t = time.monotonic()
+        for name, _, _ in pods:
+            ctl(node, "delete", pod=name)
+        locks = {u: None for u in uuids}
+        row("- all three deleted", want(), t, "  (the manager sees them gone from PodResources)", timeout=60.0)
+
+        say(f"done in {time.monotonic() - t0:.0f} s (tests: tests/manager/test_modes.py; the manual: manager/README.md, \"Sharing modes\")")
+    finally:
         node.close()
 
 
