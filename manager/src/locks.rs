@@ -193,9 +193,23 @@ impl Locks {
             }
         }
         if changed {
-            self.changed.send_modify(|n| *n += 1);
+            self.bump();
         }
         result.map(|_| ())
+    }
+
+    /// Wake the ListAndWatch streams after a GPU was locked or unlocked, when that changes
+    /// what they list: on a node serving one mode a lock withdraws nothing, and re-sending
+    /// every device list would only cost the kubelet and the Allocate path.
+    fn bump(&self) {
+        if self.multi_mode() {
+            self.changed.send_modify(|n| *n += 1);
+        }
+    }
+
+    fn multi_mode(&self) -> bool {
+        let s = self.modes.settings();
+        Mode::ALL.into_iter().filter(|&m| s.enabled(m)).count() > 1
     }
 
     /// Release one key; whether a GPU was unlocked (the caller bumps the watch).
@@ -220,8 +234,7 @@ impl Locks {
     /// Whether releasing is worth a PodResources list now: a GPU is locked and another mode
     /// could use it once it is unlocked.
     pub fn unlock_wanted(&self) -> bool {
-        let s = self.modes.settings();
-        Mode::ALL.into_iter().filter(|&m| s.enabled(m)).count() > 1 && !self.meta.is_empty()
+        self.multi_mode() && !self.meta.is_empty()
     }
 
     /// Mark the keys a list shows (`held(id)`: a container holds device `id`) as listed.
@@ -250,7 +263,7 @@ impl Locks {
             changed |= self.release(k);
         }
         if changed {
-            self.changed.send_modify(|n| *n += 1);
+            self.bump();
         }
         gone.len()
     }
