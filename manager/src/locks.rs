@@ -2,8 +2,8 @@
 //! [`Modes`](vcuda_manager_core::modes::Modes) keyed by one kubelet Allocate
 //! ([`LockKey`]: a resource and the device IDs of one container), when each key was admitted
 //! and whether PodResources has listed it yet, and a watch every ListAndWatch stream follows
-//! (bumped whenever a GPU is locked or unlocked, so that its devices of the other modes leave
-//! or return).
+//! (bumped whenever a GPU is locked or unlocked on a node serving more than one mode, so that
+//! its devices of the other modes leave or return; on a one-mode node a lock changes no list).
 //!
 //! Invariants:
 //! - a key is released when PodResources, having listed its devices once, lists none of them
