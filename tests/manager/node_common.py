@@ -372,15 +372,21 @@ def demo_pods(node):
     return ca, cb
 
 
-def fill(container, bins, max_mib, step=256):
-    """Run fill in the container: returns (MiB it got, what it printed)."""
+def fill(container, bins, max_mib, step=256, while_held=None):
+    """Run fill in the container: returns (MiB it got, what it printed). `while_held` (if
+    given) is called while fill still holds its memory and lives: libvcuda registers on a
+    thread of its own, so only a live process is sure to have registered (or to be seen)."""
     p = container.popen([bins["fill"], step, max_mib], stdin=subprocess.PIPE)
     out = ""
     for line in p.stdout:
         out += line
         if "holds" in line or "failed" in line:
             break
-    p.stdin.close()
+    try:
+        if while_held is not None:
+            while_held()
+    finally:
+        p.stdin.close()
     p.wait(timeout=30)
     held = [int(w) for line in out.splitlines() if "holds" in line for w in line.split() if w.isdigit()]
     return (held[0] if held else 0), out

@@ -251,11 +251,12 @@ def test_a_container_made_from_the_cdi_spec_is_held_to_its_quota(cdi_node, bins)
     # A CUDA process under libvcuda: its quota (less its context) and no more.
     gpu = c.config["gpu"][0]
     assert (gpu["memory_mib"], gpu["core"]) == (4096, 30)
-    got, out = fill(c, bins, 8192)
+    # It registers with the manager over the socket the spec mounts (while it lives:
+    # registration runs on a thread of its own, and a process gone first is refused).
+    got, out = fill(c, bins, 8192, while_held=lambda: wait_for(
+        "the process's registration", lambda: "process registered" in node.log()))
     assert 3072 <= got <= 4096 - 300, out
     assert "refused" in out, out
-    # It registered with the manager over the socket the spec mounts.
-    wait_for("the process's registration", lambda: "process registered" in node.log())
 
 
 def test_every_cdi_spec_the_manager_writes_is_valid_and_goes_with_its_allocation(cdi_node):
