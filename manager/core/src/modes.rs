@@ -685,12 +685,13 @@ impl<K: Ord + Clone> Modes<K> {
                     .join(", "),
             });
         }
-        let resources = self.settings.mode_resources(mode);
+        // Named only in refusals (formatted then: Allocate's budget).
+        let resources = || self.settings.mode_resources(mode);
         // Resolve every GPU first (an unknown one is foreign).
         let mut gpus: Vec<(usize, Option<u32>)> = Vec::new();
         let foreign = |id: String| ModeError::ForeignDevice {
             id,
-            resource: resources.clone(),
+            resource: resources(),
         };
         match use_ {
             Use::Whole(uuids) | Use::Shared(uuids) => {
@@ -725,7 +726,7 @@ impl<K: Ord + Clone> Modes<K> {
                     holder,
                     allocations: lock.allocations(),
                     wanted: mode,
-                    resource: resources,
+                    resource: resources(),
                 });
             }
             match (lock, slice) {
