@@ -30,7 +30,6 @@ deleted. tests/demo/test_demo_modes.py checks what it prints.
 import json
 import pathlib
 import signal
-import socket
 import tomllib
 import subprocess
 import sys
@@ -203,24 +202,11 @@ SOCKET_OF = {WHOLE: "vcuda-whole.sock", SGPU: "vcuda-sgpu.sock", CORE: "vcuda-co
 
 
 def ctl(node, op, **req):
-    """One request on kubelet-sim's control socket (JSON lines, tests/kubelet-sim/README.md)."""
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(90)
-    s.connect(str(node.control))
+    """One request on kubelet-sim's control socket; its error ends the demo with it."""
     try:
-        s.sendall(json.dumps({"op": op, **req}).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                raise SystemExit(f"kubelet-sim closed the control connection during {op}")
-            buf += chunk
-    finally:
-        s.close()
-    reply = json.loads(buf)
-    if not reply["ok"]:
-        raise SystemExit(f"kubelet-sim {op}: {reply['error']}\n--- manager log (tail)\n" + "\n".join(node.log().splitlines()[-30:]))
-    return reply["result"]
+        return node.ctl(op, **req)
+    except AssertionError as e:
+        raise SystemExit(str(e)) from None
 
 
 def capacities(node):

@@ -173,6 +173,29 @@ class Node:
         except json.JSONDecodeError:
             raise AssertionError(f"kubelet-sim {args}: {p.stdout!r} {p.stderr!r}")
 
+    def ctl(self, op, timeout=60, **req):
+        """One request on kubelet-sim's control socket (JSON lines, tests/kubelet-sim/README.md):
+        its result, or an AssertionError with kubelet-sim's error and the manager log's tail.
+        (The CLI of `ksim_cmd` takes positional arguments; requests with structured fields
+        such as `wait-capacity`'s maps go here.)"""
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(timeout + 30)
+        s.connect(str(self.control))
+        try:
+            s.sendall(json.dumps({"op": op, **req}).encode() + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = s.recv(65536)
+                assert chunk, f"kubelet-sim closed the control connection during {op}"
+                buf += chunk
+        finally:
+            s.close()
+        reply = json.loads(buf)
+        if not reply["ok"]:
+            tail = "\n".join(self.log().splitlines()[-40:])
+            raise AssertionError(f"kubelet-sim {op}: {reply['error']}\n--- manager log (tail)\n{tail}")
+        return reply["result"]
+
     def wait_registered(self, timeout=15):
         for r in (CORE, MEMORY):
             out = self.ksim_cmd("wait-registered", r, "--timeout", str(timeout))

@@ -54,24 +54,7 @@ def four_gpus(sim):
 
 
 def ctl(node, op, timeout=60, **req):
-    """One request on kubelet-sim's control socket (JSON lines): its result, or an
-    AssertionError with its error."""
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(timeout + 30)
-    s.connect(str(node.control))
-    try:
-        s.sendall(json.dumps({"op": op, **req}).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            assert chunk, f"kubelet-sim closed the control connection during {op}"
-            buf += chunk
-    finally:
-        s.close()
-    reply = json.loads(buf)
-    if not reply["ok"]:
-        raise AssertionError(f"kubelet-sim {op}: {reply['error']}\n--- manager log (tail)\n{tail(node)}")
-    return reply["result"]
+    return node.ctl(op, timeout=timeout, **req)
 
 
 def tail(node, n=40):
