@@ -50,7 +50,7 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 /// The DevicePlugin gRPC service of one backend.
-pub struct Server<B> {
+pub struct Server<B: ?Sized> {
     backend: Arc<B>,
 }
 
@@ -62,8 +62,15 @@ impl<B: Backend> Server<B> {
     }
 }
 
+impl Server<dyn Backend> {
+    /// The service of a backend the daemon keeps across kubelet restarts.
+    pub fn shared(backend: Arc<dyn Backend>) -> Server<dyn Backend> {
+        Server { backend }
+    }
+}
+
 #[tonic::async_trait]
-impl<B: Backend> dp::device_plugin_server::DevicePlugin for Server<B> {
+impl<B: Backend + ?Sized> dp::device_plugin_server::DevicePlugin for Server<B> {
     async fn get_device_plugin_options(
         &self,
         _: Request<dp::Empty>,

@@ -72,6 +72,8 @@ pub enum DaemonError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot start the VM backends (--vm-backends): {0}")]
+    Vm(#[source] crate::vm::VmError),
 }
 
 impl DaemonError {
@@ -89,6 +91,7 @@ impl DaemonError {
             DaemonError::ControlLoop(_) => "control-loop",
             DaemonError::Signal { .. } => "signal",
             DaemonError::PluginSocket { .. } => "plugin-socket",
+            DaemonError::Vm(e) => e.kind(),
         }
     }
 }
@@ -131,7 +134,20 @@ impl RegisterError {
 /// Run until SIGTERM / SIGINT.
 pub async fn run(settings: Settings) -> Result<(), DaemonError> {
     check_library(&settings)?;
-    let nvml = gpus::open(settings.nvml_library.as_deref()).map_err(DaemonError::Nvml)?;
+    let vm = if settings.vm.backends.is_empty() {
+        None
+    } else {
+        Some(crate::vm::VmNode::open(&settings).map_err(DaemonError::Vm)?)
+    };
+    let nvml = match (gpus::open(settings.nvml_library.as_deref()), vm) {
+        (Ok(nvml), vm) => (nvml, vm),
+        (Err(e), Some((node, plugins))) => {
+            warn!(error = %e, "no NVML: serving the VM backends alone (no container modes on this node)");
+            return run_vm_only(settings, node, plugins).await;
+        }
+        (Err(e), None) => return Err(DaemonError::Nvml(e)),
+    };
+    let (nvml, vm) = nvml;
     let inventory = gpus::discover(nvml).map_err(DaemonError::Inventory)?;
     info!(
         gpus = inventory.gpus.len(),
@@ -143,9 +159,29 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    // A GPU NVML lists that is also an mdev parent is the mdev backend's: unhealthy to the
+    // container modes for good, so it is in exactly one backend.
+    let vm_owned: Vec<bool> = (0..inventory.gpus.len())
+        .map(|i| {
+            let bus = nvml
+                .device_by_index(i as u32)
+                .and_then(|d| d.pci_info())
+                .map(|p| p.bus_id)
+                .unwrap_or_default();
+            let owned = vm.as_ref().is_some_and(|(node, _)| {
+                node.mdev_parents()
+                    .iter()
+                    .any(|a| gpus::same_bus(a.as_str(), &bus))
+            });
+            if owned {
+                info!(gpu = %inventory.gpus[i].uuid, %bus, "an mdev parent: given to the mdev backend, unhealthy to the container modes");
+            }
+            owned
+        })
+        .collect();
     let core = Core::open(settings.clone(), inventory.clone())?;
     let api = crate::apiserver::connect(&settings).await?.map(Arc::new);
-    let (health_tx, _) = watch::channel(vec![true; inventory.gpus.len()]);
+    let (health_tx, _) = watch::channel(vm_owned.iter().map(|o| !o).collect());
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
         health: health_tx,
@@ -163,9 +199,13 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
         tokio::spawn(crate::lease::keep_alive(api.clone()));
         tokio::spawn(crate::publisher::publish_loop(api, shared.clone()));
     }
-    let served = served(&shared);
+    let mut served = served(&shared);
+    if let Some((node, plugins)) = vm {
+        tokio::spawn(node.refresh_loop());
+        served.extend(plugins.into_iter().map(Served::vm));
+    }
     let registered = Arc::new(crate::metrics::Registered::new(
-        served.iter().map(|(_, name)| name.clone()),
+        served.iter().map(|s| s.name.clone()),
     ));
     if let Some(addr) = settings.metrics_address {
         let bound = crate::metrics::serve(
@@ -187,6 +227,7 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
         nvml,
         &settings,
         &inventory.node.uuids,
+        vm_owned,
         shared.clone(),
         stop.clone(),
     );
@@ -222,33 +263,62 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
 
     // Signal handlers now, so a SIGTERM at any moment below is seen.
     let mut shutdown = Box::pin(shutdown_signal()?);
+    serve_kubelet(&settings, &served, &registered, &mut shutdown).await?;
+    info!("shutting down");
+    if let Some(api) = &shared.api {
+        crate::publisher::withdraw(api, &shared).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    Ok(())
+}
+
+/// A node without NVML serving only its VM backends: registration and the kubelet's
+/// restarts as always; no control socket, control loop or metrics (no container is given
+/// the library here).
+async fn run_vm_only(
+    settings: Settings,
+    node: Arc<crate::vm::VmNode>,
+    plugins: Vec<crate::vm::Plugin>,
+) -> Result<(), DaemonError> {
+    tokio::spawn(node.refresh_loop());
+    let served: Vec<Served> = plugins.into_iter().map(Served::vm).collect();
+    let registered = crate::metrics::Registered::new(served.iter().map(|s| s.name.clone()));
+    let mut shutdown = Box::pin(shutdown_signal()?);
+    serve_kubelet(&settings, &served, &registered, &mut shutdown).await?;
+    info!("shutting down");
+    Ok(())
+}
+
+/// Serve every plugin and register it, again whenever the kubelet restarts; returns once
+/// `shutdown` resolves.
+async fn serve_kubelet(
+    settings: &Settings,
+    served: &[Served],
+    registered: &crate::metrics::Registered,
+    shutdown: &mut std::pin::Pin<Box<impl std::future::Future<Output = ()>>>,
+) -> Result<(), DaemonError> {
     let dir = settings.device_plugin_dir.clone();
     loop {
-        let plugins = Plugins::start(&settings, &shared, &served).await?;
+        let plugins = Plugins::start(settings, served).await?;
         let cycle = async {
             let started = Instant::now();
-            if let Err(why) = register_all(&settings, &served, &registered).await {
+            if let Err(why) = register_all(settings, served, registered).await {
                 return why.to_string();
             }
             info!(
                 elapsed_ms = started.elapsed().as_millis() as u64,
                 "registered with the kubelet"
             );
-            watch_kubelet(&dir, &served).await
+            watch_kubelet(&dir, served).await
         };
         let outcome = tokio::select! {
             why = cycle => Some(why),
-            _ = &mut shutdown => None,
+            _ = &mut *shutdown => None,
         };
         // Serving afresh (or stopping): nothing counts as registered until the next Register.
         registered.lost();
         plugins.stop().await;
         let Some(why) = outcome else {
-            info!("shutting down");
-            if let Some(api) = &shared.api {
-                crate::publisher::withdraw(api, &shared).await;
-            }
-            stop.store(true, Ordering::Relaxed);
             return Ok(());
         };
         info!(%why, "the kubelet restarted: serving and registering again");
@@ -256,14 +326,7 @@ pub async fn run(settings: Settings) -> Result<(), DaemonError> {
         // again only once that is done, or it deletes the new sockets too.
         tokio::select! {
             _ = kubelet_ready(&dir) => {}
-            _ = &mut shutdown => {
-                info!("shutting down");
-                if let Some(api) = &shared.api {
-                    crate::publisher::withdraw(api, &shared).await;
-                }
-                stop.store(true, Ordering::Relaxed);
-                return Ok(());
-            }
+            _ = &mut *shutdown => return Ok(()),
         }
     }
 }
@@ -328,18 +391,55 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, DaemonErro
     })
 }
 
+/// One resource the daemon serves: its socket in the plugin directory, its name, its
+/// backend (kept across kubelet restarts).
+struct Served {
+    socket: String,
+    name: String,
+    backend: Arc<dyn crate::backend::Backend>,
+}
+
+impl Served {
+    fn vm(p: crate::vm::Plugin) -> Served {
+        Served {
+            socket: vm_socket(&p.name),
+            name: p.name,
+            backend: p.backend,
+        }
+    }
+}
+
+/// A VM resource's socket file: `vcuda-vm-<8 hex digits>.sock`, the digits a hash of the
+/// resource name (FNV-1a, 32 bits): stable across restarts and short whatever the name (a
+/// model name makes a long one, and a socket path has at most 107 bytes).
+fn vm_socket(name: &str) -> String {
+    let hash = name.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    format!("vcuda-vm-{hash:08x}.sock")
+}
+
 /// The resources this node serves (its enabled modes'), with their full names: the shares
 /// first, as before modes.
-fn served(shared: &Shared) -> Vec<(Resource, String)> {
-    let core = shared.core.lock();
-    let names = core.locks.settings();
-    let mut out: Vec<(Resource, String)> = Resource::ALL
-        .into_iter()
-        .filter(|r| names.enabled(r.mode()))
-        .map(|r| (r, names.resource_name(r)))
-        .collect();
+fn served(shared: &Arc<Shared>) -> Vec<Served> {
+    let mut out: Vec<(Resource, String)> = {
+        let core = shared.core.lock();
+        let names = core.locks.settings();
+        Resource::ALL
+            .into_iter()
+            .filter(|r| names.enabled(r.mode()))
+            .map(|r| (r, names.resource_name(r)))
+            .collect()
+    };
+    // (the core's lock released: a backend takes it)
     out.sort_by_key(|(r, _)| !matches!(r, Resource::Shared(_)));
-    out
+    out.into_iter()
+        .map(|(r, name)| Served {
+            socket: plugin::socket(r).to_string(),
+            name,
+            backend: Arc::new(Shares::new(r, shared.clone())),
+        })
+        .collect()
 }
 
 /// The device-plugin servers, one per resource served.
@@ -349,17 +449,13 @@ struct Plugins {
 }
 
 impl Plugins {
-    async fn start(
-        settings: &Settings,
-        shared: &Arc<Shared>,
-        served: &[(Resource, String)],
-    ) -> Result<Plugins, DaemonError> {
+    async fn start(settings: &Settings, served: &[Served]) -> Result<Plugins, DaemonError> {
         let mut p = Plugins {
             stops: Vec::new(),
             tasks: Vec::new(),
         };
-        for &(resource, _) in served {
-            let path = settings.device_plugin_dir.join(plugin::socket(resource));
+        for s in served {
+            let path = settings.device_plugin_dir.join(&s.socket);
             let _ = std::fs::remove_file(&path);
             let listener = tokio::net::UnixListener::bind(&path).map_err(|source| {
                 DaemonError::PluginSocket {
@@ -368,10 +464,9 @@ impl Plugins {
                 }
             })?;
             let (tx, rx) = oneshot::channel();
-            let svc = dp::device_plugin_server::DevicePluginServer::new(Server::new(Shares::new(
-                resource,
-                shared.clone(),
-            )));
+            let svc = dp::device_plugin_server::DevicePluginServer::new(Server::shared(
+                s.backend.clone(),
+            ));
             let task = tokio::spawn(async move {
                 let r = tonic::transport::Server::builder()
                     .add_service(svc)
@@ -405,23 +500,23 @@ impl Plugins {
 /// dial it back.
 async fn register_all(
     settings: &Settings,
-    served: &[(Resource, String)],
+    served: &[Served],
     registered: &crate::metrics::Registered,
 ) -> Result<(), RegisterError> {
-    for (resource, name) in served {
+    for s in served {
         let mut delay = Duration::from_millis(50);
         loop {
-            let ours = settings.device_plugin_dir.join(plugin::socket(*resource));
+            let ours = settings.device_plugin_dir.join(&s.socket);
             if !ours.exists() {
                 return Err(RegisterError::SocketGone { path: ours });
             }
-            match register(settings, *resource, name).await {
+            match register(settings, s).await {
                 Ok(()) => {
-                    registered.accepted(name);
+                    registered.accepted(&s.name);
                     break;
                 }
                 Err(e) => {
-                    warn!(resource = %name, error = %e, kind = e.kind(), "registration failed; retrying");
+                    warn!(resource = %s.name, error = %e, kind = e.kind(), "registration failed; retrying");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(1));
                 }
@@ -431,11 +526,7 @@ async fn register_all(
     Ok(())
 }
 
-async fn register(
-    settings: &Settings,
-    resource: Resource,
-    name: &str,
-) -> Result<(), RegisterError> {
+async fn register(settings: &Settings, served: &Served) -> Result<(), RegisterError> {
     let sock = settings.device_plugin_dir.join("kubelet.sock");
     let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
         .connect_timeout(Duration::from_secs(2))
@@ -450,13 +541,13 @@ async fn register(
     client
         .register(dp::RegisterRequest {
             version: constants::VERSION.into(),
-            endpoint: plugin::socket(resource).into(),
-            resource_name: name.to_string(),
-            options: Some(plugin::options_of(resource)),
+            endpoint: served.socket.clone(),
+            resource_name: served.name.clone(),
+            options: Some(served.backend.options()),
         })
         .await
         .map_err(|status| RegisterError::Refused {
-            resource: name.to_string(),
+            resource: served.name.clone(),
             status,
         })?;
     Ok(())
@@ -465,12 +556,9 @@ async fn register(
 /// Resolves when the kubelet restarts: `kubelet.sock` is created again, or one of our
 /// sockets is deleted (the kubelet deletes plugin sockets when it starts). Watches the
 /// directory (a watched socket inode goes stale), with a 1 s poll as a safety net.
-async fn watch_kubelet(dir: &Path, served: &[(Resource, String)]) -> String {
+async fn watch_kubelet(dir: &Path, served: &[Served]) -> String {
     let (tx, mut rx) = mpsc::unbounded_channel::<String>();
-    let ours: Vec<PathBuf> = served
-        .iter()
-        .map(|(r, _)| dir.join(plugin::socket(*r)))
-        .collect();
+    let ours: Vec<PathBuf> = served.iter().map(|s| dir.join(&s.socket)).collect();
     let kubelet = dir.join("kubelet.sock");
     let watcher = {
         let tx = tx.clone();
@@ -532,6 +620,7 @@ fn start_health(
     nvml: &'static nvml_wrapper::Nvml,
     settings: &Settings,
     uuids: &[String],
+    vm_owned: Vec<bool>,
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
 ) {
@@ -549,7 +638,10 @@ fn start_health(
                     .and_then(|d| d.memory_info())
                     .is_ok()
             };
-            let h = health.lock().healthy(now, &answers);
+            let mut h = health.lock().healthy(now, &answers);
+            for (g, owned) in h.iter_mut().zip(&vm_owned) {
+                *g &= !owned;
+            }
             shared.health.send_if_modified(|cur| {
                 if *cur != h {
                     info!(health = ?h, "GPU health changed");
@@ -591,4 +683,25 @@ fn start_health(
             publish();
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::vm_socket;
+
+    /// Every VM resource gets a socket of its own whose path fits a `sockaddr_un` in the
+    /// kubelet's directory, however long the model name.
+    #[test]
+    fn vm_sockets_are_short_distinct_and_stable() {
+        let long = "nvidia.com/GA102GL_A10_A10G_A10M_THIS_IS_A_LONG_MODEL_NAME_OF_63_CHARS__";
+        let a = vm_socket("nvidia.com/TU104GL_TESLA_T4");
+        assert_eq!(a, vm_socket("nvidia.com/TU104GL_TESLA_T4"));
+        assert_ne!(a, vm_socket("nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"));
+        assert_ne!(
+            vm_socket("tencent.com/vgpu-222"),
+            vm_socket("tencent.com/vgpu-223")
+        );
+        let path = format!("/var/lib/kubelet/device-plugins/{}", vm_socket(long));
+        assert!(path.len() < 108 && vm_socket(long).len() == "vcuda-vm-01234567.sock".len());
+    }
 }

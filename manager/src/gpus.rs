@@ -100,7 +100,7 @@ pub fn discover(nvml: &Nvml) -> Result<Inventory, NvmlError> {
 }
 
 /// PCI bus ids compare without case and whatever the domain's width.
-fn same_bus(a: &str, b: &str) -> bool {
+pub(crate) fn same_bus(a: &str, b: &str) -> bool {
     fn norm(s: &str) -> String {
         let s = s.trim_end_matches('\0').to_ascii_lowercase();
         match s.split(':').collect::<Vec<_>>().as_slice() {

@@ -19,6 +19,7 @@
 //!   DevicePlugin gRPC server for any backend;
 //! - [`plugin`]: the shares backend (`vcuda-core`, `vcuda-memory`);
 //! - [`podresources`]: the kubelet's PodResources API and the prefetch;
+//! - [`vm`]: the VM backends (vfio passthrough, mdev vGPUs) over `vcuda_vm`'s decisions;
 //! - [`follow`]: following the scheduler through the API server;
 //! - [`control`]: the control socket libvcuda registers over;
 //! - [`control_loop`]: shares, reclaim, watchdog, garbage collection, the metrics snapshot;
@@ -46,3 +47,4 @@ pub mod podresources;
 pub mod publisher;
 pub mod settings;
 pub mod state;
+pub mod vm;

@@ -220,6 +220,35 @@ layer! {
         /// [default: unlimited].
         #[arg(long, value_name = "unlimited|hard")]
         pub slice_compute: Option<String>,
+        /// GPUs for virtual machines, comma-separated (manager/VM.md): `passthrough` (NVIDIA
+        /// GPUs bound to vfio-pci, one resource per model as KubeVirt names them) and `mdev`
+        /// (one resource per mediated-device type, the vGPU created at Allocate and removed
+        /// when its pod is gone). Off unless given; with it, a node without NVML serves the
+        /// VM backends alone.
+        #[arg(long, value_delimiter = ',', value_name = "passthrough,mdev")]
+        pub vm_backends: Option<Vec<String>>,
+        /// Where the host's /sys is seen (the VM backends read PCI devices and IOMMU groups
+        /// there, and create and remove mdevs) [default: /sys].
+        #[arg(long, value_name = "DIR")]
+        pub sysfs_root: Option<PathBuf>,
+        /// Where the host's /dev is seen (the VM backends check /dev/vfio/<group>); the
+        /// Allocate answer names the host's /dev paths whatever this is [default: /dev].
+        #[arg(long, value_name = "DIR")]
+        pub dev_root: Option<PathBuf>,
+        /// The PCI ID database naming passthrough models (when not given: the first of
+        /// /usr/share/misc/pci.ids, /usr/share/hwdata/pci.ids that exists; without one a
+        /// model is named by its device id).
+        #[arg(long, value_name = "FILE")]
+        pub pci_ids: Option<PathBuf>,
+        /// How mdev types are named as resources: `vgpu` (<domain>/vgpu-<n> for type
+        /// nvidia-<n>, as Tencent's vGPU plugin) or `kubevirt` (nvidia.com/<type name>, as
+        /// NVIDIA's kubevirt-gpu-device-plugin) [default: vgpu].
+        #[arg(long, value_name = "vgpu|kubevirt")]
+        pub mdev_naming: Option<String>,
+        /// Seconds an mdev created at Allocate is kept while PodResources lists no pod for
+        /// it; past that, with no pod, it is removed [default: 60].
+        #[arg(long, value_name = "SECONDS")]
+        pub mdev_grace: Option<u64>,
     }
 }
 
@@ -311,7 +340,41 @@ pub struct Settings {
     pub whole_resource: String,
     /// A slice's compute (`--slice-compute`).
     pub slice_compute: SliceCompute,
+    /// The VM backends (`--vm-backends` and their flags).
+    pub vm: VmSettings,
 }
+
+/// A VM backend (`--vm-backends`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum VmBackend {
+    /// GPUs bound to vfio-pci, whole, to KubeVirt VMs.
+    Passthrough,
+    /// Mediated vGPUs, to KubeVirt and Kata VMs.
+    Mdev,
+}
+
+/// The VM backends' settings.
+#[derive(Debug, Clone)]
+pub struct VmSettings {
+    /// The backends served, sorted; empty: none.
+    pub backends: Vec<VmBackend>,
+    pub sysfs_root: PathBuf,
+    pub dev_root: PathBuf,
+    /// `--pci-ids`, else the first system database that exists; None: none.
+    pub pci_ids: Option<PathBuf>,
+    pub mdev_naming: vcuda_vm::naming::MdevNaming,
+    /// Seconds (`--mdev-grace`).
+    pub mdev_grace: u64,
+}
+
+impl VmSettings {
+    pub fn serves(&self, b: VmBackend) -> bool {
+        self.backends.contains(&b)
+    }
+}
+
+/// Where a system keeps its PCI ID database (Debian's pciutils / hwdata).
+pub const PCI_IDS_PATHS: [&str; 2] = ["/usr/share/misc/pci.ids", "/usr/share/hwdata/pci.ids"];
 
 /// A setting the manager cannot start with. Each names the flag (or the file's line) and
 /// what it accepts.
@@ -364,6 +427,10 @@ pub enum SettingsError {
     Modes(#[from] modes::SettingsError),
     #[error("--slice-compute {value:?}: expected unlimited (only memory is divided) or hard (100/K % per slice)")]
     SliceCompute { value: String },
+    #[error("--vm-backends {value:?}: expected passthrough (GPUs bound to vfio-pci) or mdev (mediated vGPUs), comma-separated")]
+    VmBackend { value: String },
+    #[error("--mdev-naming {value:?}: expected vgpu (<domain>/vgpu-<n>) or kubevirt (nvidia.com/<type name>)")]
+    MdevNaming { value: String },
 }
 
 impl SettingsError {
@@ -384,6 +451,8 @@ impl SettingsError {
             SettingsError::LeaseNamespace { .. } => "lease-namespace",
             SettingsError::Modes(e) => e.kind(),
             SettingsError::SliceCompute { .. } => "slice-compute",
+            SettingsError::VmBackend { .. } => "vm-backends",
+            SettingsError::MdevNaming { .. } => "mdev-naming",
         }
     }
 }
@@ -443,6 +512,31 @@ impl Settings {
             Some("hard") => SliceCompute::Hard,
             Some(other) => {
                 return Err(SettingsError::SliceCompute {
+                    value: other.to_string(),
+                })
+            }
+        };
+        let mut backends = Vec::new();
+        for name in given.vm_backends.iter().flatten() {
+            backends.push(match name.trim() {
+                "passthrough" => VmBackend::Passthrough,
+                "mdev" => VmBackend::Mdev,
+                other => {
+                    return Err(SettingsError::VmBackend {
+                        value: other.to_string(),
+                    })
+                }
+            });
+        }
+        backends.sort();
+        backends.dedup();
+        let mdev_naming = match given.mdev_naming.as_deref() {
+            None | Some("vgpu") => vcuda_vm::naming::MdevNaming::Vgpu {
+                domain: domain.clone(),
+            },
+            Some("kubevirt") => vcuda_vm::naming::MdevNaming::KubeVirt,
+            Some(other) => {
+                return Err(SettingsError::MdevNaming {
                     value: other.to_string(),
                 })
             }
@@ -548,6 +642,16 @@ impl Settings {
             slices,
             whole_resource,
             slice_compute,
+            vm: VmSettings {
+                backends,
+                sysfs_root: given.sysfs_root.unwrap_or_else(|| "/sys".into()),
+                dev_root: given.dev_root.unwrap_or_else(|| "/dev".into()),
+                pci_ids: given
+                    .pci_ids
+                    .or_else(|| PCI_IDS_PATHS.iter().map(PathBuf::from).find(|p| p.exists())),
+                mdev_naming,
+                mdev_grace: given.mdev_grace.unwrap_or(60),
+            },
         })
     }
 
@@ -919,6 +1023,17 @@ mod tests {
             "\"b.example/gpu\"",
         ),
         ("slice_compute", "\"hard\"", &["hard"], "\"unlimited\""),
+        (
+            "vm_backends",
+            "[\"mdev\", \"passthrough\"]",
+            &["passthrough,mdev"],
+            "[\"mdev\"]",
+        ),
+        ("sysfs_root", "\"/a\"", &["/a"], "\"/b\""),
+        ("dev_root", "\"/a\"", &["/a"], "\"/b\""),
+        ("pci_ids", "\"/a\"", &["/a"], "\"/b\""),
+        ("mdev_naming", "\"kubevirt\"", &["kubevirt"], "\"vgpu\""),
+        ("mdev_grace", "5", &["5"], "6"),
     ];
 
     /// The keys the flags accept: their long names with underscores (`--config` aside).
@@ -964,7 +1079,7 @@ mod tests {
     #[test]
     fn the_file_and_the_flags_take_the_same_keys() {
         let flags = flag_keys();
-        assert_eq!(flags.len(), 29, "{flags:?}");
+        assert_eq!(flags.len(), 35, "{flags:?}");
         assert_eq!(file_keys(), flags);
         let table: BTreeSet<String> = EVERY_KEY.iter().map(|r| r.0.to_string()).collect();
         assert_eq!(table, flags, "EVERY_KEY needs a row per key");
@@ -1028,6 +1143,38 @@ mod tests {
         let e = Settings::load(&flags).unwrap_err();
         assert_eq!(e.kind(), "lease-namespace");
         assert!(e.to_string().contains("Vcuda_System"), "{e}");
+    }
+
+    /// The VM backends' names are checked at start, each refusal naming what is accepted.
+    #[test]
+    fn vm_settings_refuse_what_they_do_not_know() {
+        for (args, kind, says) in [
+            (
+                ["m", "--vm-backends", "passthrough,sriov"],
+                "vm-backends",
+                "sriov",
+            ),
+            (["m", "--mdev-naming", "nvidia"], "mdev-naming", "kubevirt"),
+        ] {
+            let e = Settings::load(&Flags::parse_from(args)).unwrap_err();
+            assert_eq!(e.kind(), kind);
+            assert!(e.to_string().contains(says), "{e}");
+        }
+        let s = Settings::load(&Flags::parse_from([
+            "m",
+            "--vm-backends",
+            "mdev,passthrough,mdev",
+        ]))
+        .unwrap();
+        assert_eq!(s.vm.backends, [VmBackend::Passthrough, VmBackend::Mdev]);
+        assert!(
+            Settings::load(&Flags::default())
+                .unwrap()
+                .vm
+                .backends
+                .is_empty(),
+            "off by default"
+        );
     }
 
     /// A `[default: V]` in a flag's help is the default: giving `--flag V` changes nothing.

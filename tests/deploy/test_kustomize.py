@@ -15,7 +15,7 @@ import yaml
 import deploy_render as render
 from deploy_render import DEPLOY, ROOT, files, key, render as rendered
 
-OVERLAYS = ["overlays/custom-domain", "overlays/mixed", "overlays/monitoring", "overlays/no-api", "overlays/node-only"]
+OVERLAYS = ["overlays/custom-domain", "overlays/mixed", "overlays/monitoring", "overlays/no-api", "overlays/node-only", "overlays/vm"]
 # overlays/mixed (the sharing modes on labelled nodes) is checked in test_mixed_overlay.py.
 # Every kustomization and what it must be used with (the Kubernetes versions it is valid for).
 KUSTOMIZATIONS = ["base", "base/manager", "base/manager-api", "base/scheduler", *OVERLAYS,
