@@ -739,6 +739,23 @@ impl Passthrough {
     }
 }
 
+/// ListAndWatch over a watched value: the device list now, then again whenever the value
+/// changes and the list with it (the same list is not sent twice).
+fn changes<T: Clone + Send + Sync + 'static>(
+    rx: watch::Receiver<T>,
+    mut list: impl FnMut(&T) -> Vec<dp::Device> + Send + 'static,
+) -> DeviceStream {
+    let mut last: Option<Vec<dp::Device>> = None;
+    Box::pin(WatchStream::new(rx).filter_map(move |v| {
+        let devices = list(&v);
+        if last.as_ref() == Some(&devices) {
+            return None;
+        }
+        last = Some(devices.clone());
+        Some(Ok(dp::ListAndWatchResponse { devices }))
+    }))
+}
+
 fn numa_topology(node: u32) -> dp::TopologyInfo {
     dp::TopologyInfo {
         nodes: vec![dp::NumaNode { id: node as i64 }],
@@ -760,22 +777,11 @@ impl Backend for Passthrough {
     }
 
     fn watch(&self) -> DeviceStream {
-        let node = self.node.clone();
         let me = Passthrough {
-            node: node.clone(),
+            node: self.node.clone(),
             resource: self.resource.clone(),
         };
-        let mut last: Option<Vec<dp::Device>> = None;
-        Box::pin(
-            WatchStream::new(node.pci.subscribe()).filter_map(move |pci| {
-                let devices = me.devices(&pci);
-                if last.as_ref() == Some(&devices) {
-                    return None;
-                }
-                last = Some(devices.clone());
-                Some(Ok(dp::ListAndWatchResponse { devices }))
-            }),
-        )
+        changes(self.node.pci.subscribe(), move |pci| me.devices(pci))
     }
 
     async fn preferred(
@@ -859,17 +865,9 @@ impl Backend for MdevBackend {
 
     fn watch(&self) -> DeviceStream {
         let (node, resource) = (self.node.clone(), self.resource.clone());
-        let mut last: Option<Vec<dp::Device>> = None;
-        Box::pin(
-            WatchStream::new(self.node.mdev_changed.subscribe()).filter_map(move |_| {
-                let devices = MdevBackend::devices(&node, &resource);
-                if last.as_ref() == Some(&devices) {
-                    return None;
-                }
-                last = Some(devices.clone());
-                Some(Ok(dp::ListAndWatchResponse { devices }))
-            }),
-        )
+        changes(self.node.mdev_changed.subscribe(), move |_| {
+            MdevBackend::devices(&node, &resource)
+        })
     }
 
     async fn preferred(
