@@ -773,7 +773,11 @@ impl Backend for Passthrough {
     }
 
     fn options(&self) -> dp::DevicePluginOptions {
-        dp::DevicePluginOptions::default()
+        // Preferred allocations keep IOMMU groups whole (the kubelet's own pick may split one).
+        dp::DevicePluginOptions {
+            pre_start_required: false,
+            get_preferred_allocation_available: true,
+        }
     }
 
     fn watch(&self) -> DeviceStream {
@@ -786,9 +790,22 @@ impl Backend for Passthrough {
 
     async fn preferred(
         &self,
-        _: Vec<dp::ContainerPreferredAllocationRequest>,
+        requests: Vec<dp::ContainerPreferredAllocationRequest>,
     ) -> Result<Vec<Vec<String>>, Status> {
-        Err(no_preferred())
+        let pci = self.node.pci.borrow().clone();
+        Ok(requests
+            .iter()
+            .map(|r| {
+                let available: Vec<&str> =
+                    r.available_device_i_ds.iter().map(String::as_str).collect();
+                let must: Vec<&str> = r
+                    .must_include_device_i_ds
+                    .iter()
+                    .map(String::as_str)
+                    .collect();
+                pci.preferred(&available, &must, r.allocation_size.max(0) as usize)
+            })
+            .collect())
     }
 
     async fn allocate(

@@ -269,3 +269,43 @@ def test_a_node_without_nvml_serves_the_vm_backends_alone(sim, tmp_path, monkeyp
         assert CORE not in resources
     finally:
         n.close()
+
+
+def test_preferred_allocations_keep_an_iommu_group_whole(sim, tmp_path):
+    """Two GPUs share IOMMU group 50, a third is alone: the kubelet, left to itself, takes
+    the lowest IDs (the lone GPU and half the group, which Allocate must refuse); the
+    manager's GetPreferredAllocation steers it to the whole group, and a request of one to
+    the lone GPU."""
+    if os.environ.get("VCUDA_MANAGER_FROM_IMAGE") == "1":
+        pytest.skip("the host binary's suite")
+    n = VmNode(sim, tmp_path / "node", [
+        gpu("0000:3a:00.0", "0x1eb8", 49, klass="0x030200"),
+        gpu("0000:3b:00.0", "0x1eb8", 50, klass="0x030200"),
+        gpu("0000:3c:00.0", "0x1eb8", 50, klass="0x030200"),
+    ])
+    try:
+        n.start_kubelet().start_vm_manager()
+        n.wait_counts({T4: (3, 3)})
+        nodes, envs, c = answer(n.ctl_admit("vm-pair", {T4: 2}))
+        assert sorted(c["devices"][T4]) == ["0000:3b:00.0", "0000:3c:00.0"]
+        assert set(nodes) == {"/dev/vfio/vfio", "/dev/vfio/50"}
+        _, envs, c = answer(n.ctl_admit("vm-one", {T4: 1}))
+        assert c["devices"][T4] == ["0000:3a:00.0"]
+    finally:
+        n.close()
+
+
+def test_vgpus_survive_a_kubelet_restart(vm_node):
+    """The kubelet restarts (deleting every plugin socket): the VM resources register again,
+    the running VM keeps its vGPU, and its pod's later deletion still removes it."""
+    n = vm_node
+    _, envs, _ = answer(n.ctl_admit("vm-a", {VGPU_1B: 1}))
+    uuid = envs["MDEV_PCI_RESOURCE_TENCENT_COM_VGPU-222"]
+    wait_for("vm-a's record bound", lambda: [r["pod"] for r in n.checkpoint()] == ["vms/vm-a"])
+    n.ksim_cmd("restart")
+    for r in (T4, RTX, VGPU_1B, VGPU_2B):
+        n.ctl("wait-registered", resource=r, timeout_s=20)
+    n.wait_counts({T4: (1, 1), VGPU_1B: (16, 16)})
+    assert n.sysfs_sim.mdevs() == [uuid]
+    n.ctl("delete", pod="vm-a", namespace="vms")
+    wait_for("the mdev removed", lambda: n.sysfs_sim.mdevs() == [])

@@ -352,6 +352,78 @@ impl Snapshot {
             asked.iter().filter_map(|d| d.iommu_group),
         ))
     }
+
+    /// GetPreferredAllocation: `size` of the `available` IDs (PCI addresses), `must` first,
+    /// in whole IOMMU groups where the IDs allow it — [`Snapshot::allocate`] refuses a
+    /// request that splits a group, and the kubelet, left to itself, picks IDs in its own
+    /// order. Whole groups (every served GPU of the group available) the request leaves room
+    /// for go in largest first (fewer left split for later requests), in address order among
+    /// equals; only when they cannot fill it are the rest taken from the others in address
+    /// order (that request is then refused, as it would be anyway). Fewer than `size` when
+    /// fewer are available.
+    pub fn preferred<'a>(
+        &self,
+        available: &[&'a str],
+        must: &[&'a str],
+        size: usize,
+    ) -> Vec<String> {
+        // the unit a device goes in: its group, or itself when it has none
+        let unit = |id: &str| -> Result<u32, String> {
+            id.parse::<PciAddress>()
+                .ok()
+                .and_then(|a| self.devices.get(&a))
+                .and_then(|d| d.iommu_group)
+                .ok_or_else(|| id.to_string())
+        };
+        let mut units: BTreeMap<Result<u32, String>, Vec<&'a str>> = BTreeMap::new();
+        let mut sorted: Vec<&'a str> = available.iter().chain(must).copied().collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        for id in sorted {
+            units.entry(unit(id)).or_default().push(id);
+        }
+        let mut chosen: Vec<&'a str> = Vec::with_capacity(size);
+        fn take<'a>(chosen: &mut Vec<&'a str>, ids: &[&'a str]) {
+            for id in ids {
+                if !chosen.contains(id) {
+                    chosen.push(id);
+                }
+            }
+        }
+        for m in must {
+            take(&mut chosen, &[m]);
+        }
+        for m in must {
+            if let Some(members) = units.remove(&unit(m)) {
+                take(&mut chosen, &members);
+            }
+        }
+        // a group some of whose GPUs are not available (taken, or unhealthy) cannot be whole
+        let whole = |key: &Result<u32, String>, members: &[&str]| match key {
+            Ok(g) => self
+                .group(*g)
+                .filter(|p| p.is_nvidia_gpu() && p.is_vfio())
+                .all(|p| members.contains(&p.address.as_str())),
+            Err(_) => true,
+        };
+        let mut rest: Vec<(bool, Vec<&'a str>)> =
+            units.into_iter().map(|(k, u)| (whole(&k, &u), u)).collect();
+        // stable: address order among equals
+        rest.sort_by_key(|(w, u)| (!w, std::cmp::Reverse(u.len())));
+        let mut split = Vec::new();
+        for (w, u) in rest {
+            if w && chosen.len() + u.len() <= size {
+                take(&mut chosen, &u);
+            } else {
+                split.push(u);
+            }
+        }
+        for u in split {
+            take(&mut chosen, &u);
+        }
+        chosen.truncate(size.max(must.len()));
+        chosen.into_iter().map(str::to_string).collect()
+    }
 }
 
 #[cfg(test)]
@@ -622,5 +694,51 @@ pub(crate) mod tests {
             ["/dev/vfio/vfio", "/dev/vfio/26", "/dev/vfio/27"]
         );
         assert_eq!(a.env.1, "0000:07:00.0,0000:08:00.0,0000:06:00.0");
+    }
+
+    /// The kubelet is steered to whole groups: two GPUs sharing a group go together, a lone
+    /// GPU fills a request of one, `must` comes first with its group, and a request no whole
+    /// groups can fill still gets its size (Allocate then refuses the split, naming it).
+    #[test]
+    fn preferred_allocations_keep_iommu_groups_whole() {
+        let v = Some(VFIO_DRIVER);
+        let s = Snapshot::new(
+            vec![
+                dev("0000:3b:00.0", 0x10de, 0x1f08, 0x030000, v, Some(7)),
+                dev("0000:3c:00.0", 0x10de, 0x1f08, 0x030000, v, Some(8)),
+                dev("0000:3d:00.0", 0x10de, 0x1f08, 0x030000, v, Some(8)),
+                dev("0000:3e:00.0", 0x10de, 0x1f08, 0x030000, v, Some(9)),
+            ],
+            [7, 8, 9].into(),
+        );
+        let all = [
+            "0000:3b:00.0",
+            "0000:3c:00.0",
+            "0000:3d:00.0",
+            "0000:3e:00.0",
+        ];
+        assert_eq!(s.preferred(&all, &[], 2), ["0000:3c:00.0", "0000:3d:00.0"]);
+        assert_eq!(s.preferred(&all, &[], 1), ["0000:3b:00.0"]);
+        assert_eq!(
+            s.preferred(&all, &["0000:3d:00.0"], 3),
+            ["0000:3d:00.0", "0000:3c:00.0", "0000:3b:00.0"]
+        );
+        assert_eq!(s.preferred(&all, &[], 9).len(), 4, "no more than available");
+        // group 8 half taken elsewhere: a request of 2 gets the two lone GPUs
+        let left = ["0000:3b:00.0", "0000:3d:00.0", "0000:3e:00.0"];
+        let two = s.preferred(&left, &[], 2);
+        assert_eq!(two, ["0000:3b:00.0", "0000:3e:00.0"]);
+        // and what it prefers Allocate accepts
+        let three = s.preferred(&all, &[], 3);
+        let ids: Vec<&str> = three.iter().map(String::as_str).collect();
+        assert_eq!(ids, ["0000:3c:00.0", "0000:3d:00.0", "0000:3b:00.0"]);
+        assert!(s.allocate(RES, &ids).is_ok(), "{ids:?}");
+        // one of a group of two cannot be whole: the size is kept, and Allocate names the split
+        let odd = s.preferred(&["0000:3c:00.0", "0000:3d:00.0"], &[], 1);
+        let odd: Vec<&str> = odd.iter().map(String::as_str).collect();
+        assert!(matches!(
+            s.allocate(RES, &odd),
+            Err(AllocateError::SplitGroup { .. })
+        ));
     }
 }
