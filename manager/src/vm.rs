@@ -109,6 +109,9 @@ pub struct VmNode {
 struct MdevBook {
     ledger: Ledger,
     snapshot: MdevSnapshot,
+    /// Disagreements between PodResources and the ledger already logged (each once, not
+    /// every second).
+    warned: BTreeSet<String>,
 }
 
 impl VmNode {
@@ -159,7 +162,11 @@ impl VmNode {
             models,
             parents,
             pci: watch::channel(pci).0,
-            mdev: parking_lot::Mutex::new(MdevBook { ledger, snapshot }),
+            mdev: parking_lot::Mutex::new(MdevBook {
+                ledger,
+                snapshot,
+                warned: BTreeSet::new(),
+            }),
             mdev_changed: watch::channel(0).0,
             mdev_resources,
         });
@@ -286,7 +293,8 @@ impl VmNode {
     fn cleanup(&self, list: &pr::ListPodResourcesResponse) {
         let mut book = self.mdev.lock();
         let before = book.ledger.clone();
-        let live = bind_pods(&mut book.ledger, list, &self.mdev_resources);
+        let MdevBook { ledger, warned, .. } = &mut *book;
+        let live = bind_pods(ledger, list, &self.mdev_resources, warned);
         if book.ledger != before {
             if let Err(e) = save_checkpoint(&self.checkpoint, &book.ledger) {
                 warn!(error = %e, "the pods learned are not checkpointed; learned again after a restart");
@@ -400,7 +408,8 @@ impl VmNode {
         })?;
         self.reread_mdevs().map_err(node_fault)?;
         let mut book = self.mdev.lock();
-        let live = bind_pods(&mut book.ledger, &list, &self.mdev_resources);
+        let MdevBook { ledger, warned, .. } = &mut *book;
+        let live = bind_pods(ledger, &list, &self.mdev_resources, warned);
         let pods = Liveness {
             live: &live,
             now: unix_now(),
@@ -545,11 +554,13 @@ fn passthrough_models(pci: &Snapshot, ids: Option<&PciIds>) -> BTreeMap<String, 
 }
 
 /// Bind every record PodResources lists under a served mdev resource to its pod
-/// (`namespace/name`: PodResources v1 gives no UID); the pods listed, all of them.
+/// (`namespace/name`: PodResources v1 gives no UID); the pods listed, all of them. A
+/// disagreement is logged once (`warned` remembers it).
 fn bind_pods(
     ledger: &mut Ledger,
     list: &pr::ListPodResourcesResponse,
     resources: &BTreeSet<String>,
+    warned: &mut BTreeSet<String>,
 ) -> BTreeSet<String> {
     let mut live = BTreeSet::new();
     for pod in &list.pod_resources {
@@ -565,7 +576,9 @@ fn bind_pods(
                         continue;
                     };
                     if let Err(e) = ledger.bind(&id, &key) {
-                        warn!(error = %e, "PodResources and the mdev checkpoint disagree");
+                        if warned.insert(e.to_string()) {
+                            warn!(error = %e, "PodResources and the mdev checkpoint disagree");
+                        }
                     }
                 }
             }
@@ -1000,6 +1013,7 @@ mod tests {
         )])
         .unwrap();
         let served: BTreeSet<String> = ["tencent.com/vgpu-492".to_string()].into();
+        let mut warned = BTreeSet::new();
         let live = bind_pods(
             &mut ledger,
             &list(&[
@@ -1011,7 +1025,9 @@ mod tests {
                 ),
             ]),
             &served,
+            &mut warned,
         );
+        assert!(warned.is_empty());
         assert_eq!(
             ledger.get(&id).unwrap().pod_uid.as_deref(),
             Some("vms/vm-a")
@@ -1020,5 +1036,14 @@ mod tests {
             live,
             ["vms/other".to_string(), "vms/vm-a".to_string()].into()
         );
+        // a device the ledger does not know (a lost checkpoint): said once, not every second
+        let unknown = list(&[(
+            "vm-b",
+            "tencent.com/vgpu-492",
+            &["0000:81:00.0-nvidia-492-5"],
+        )]);
+        bind_pods(&mut ledger, &unknown, &served, &mut warned);
+        bind_pods(&mut ledger, &unknown, &served, &mut warned);
+        assert_eq!(warned.len(), 1, "{warned:?}");
     }
 }
