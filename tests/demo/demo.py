@@ -240,7 +240,9 @@ def modes_scene():
     try:
         say("kubelet-sim and vcuda-manager --modes whole,slice,shared --slices 2 on four simulated 40 GiB GPUs")
         t0 = time.monotonic()
-        node.start_kubelet().start_manager("--modes", "whole,slice,shared", "--slices", "2")
+        # a runtime's 100 ms to make a pod's sandbox (tests/manager/test_modes.py's `mixed`
+        # says why it matters to a whole GPU's unlock)
+        node.start_kubelet(sandbox_ms=100).start_manager("--modes", "whole,slice,shared", "--slices", "2")
         for r in MODE_RESOURCES:
             ctl(node, "wait-registered", resource=r, timeout_s=20)
         print(f"  registered {len(MODE_RESOURCES)} resources in {time.monotonic() - t0:.2f} s: "

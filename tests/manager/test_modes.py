@@ -118,11 +118,16 @@ def delete(node, pod):
 
 @pytest.fixture
 def mixed(sim, tmp_path):
-    """Four GPUs, every mode enabled, K = 2."""
+    """Four GPUs, every mode enabled, K = 2. The runtime takes 100 ms to make a pod's sandbox
+    (`--sandbox-ms`, real runtimes take 100 ms to seconds): a whole-GPU container has no
+    PreStartContainer, so its lock is seen in PodResources by the manager's prefetch after
+    Allocate; a pod deleted before any List showed it (kubelet-sim's default 0 ms sandbox and a
+    fast machine: milliseconds) keeps its GPU locked for UNSEEN_GRACE_SECS (30 s,
+    manager/src/locks.rs), which these tests would read as an unlock that never came."""
     uuids = four_gpus(sim)
     n = Node(sim, tmp_path / "node")
     n.uuids = uuids
-    n.start_kubelet()
+    n.start_kubelet(sandbox_ms=100)
     start(n, "--slices", "2")
     yield n
     n.close()
