@@ -104,6 +104,8 @@ pub struct VmNode {
     mdev_changed: watch::Sender<u64>,
     /// The served mdev resources' names.
     mdev_resources: BTreeSet<String>,
+    /// The kept PodResources channel (dialled again after an error).
+    pr_channel: tokio::sync::Mutex<Option<tonic::transport::Channel>>,
 }
 
 struct MdevBook {
@@ -169,6 +171,7 @@ impl VmNode {
             }),
             mdev_changed: watch::channel(0).0,
             mdev_resources,
+            pr_channel: tokio::sync::Mutex::new(None),
         });
         node.remove_orphans()?;
         for (name, addrs) in &node.models {
@@ -277,6 +280,79 @@ impl VmNode {
         });
     }
 
+    /// The last snapshot with the devices `asked` and their groups' members read afresh, and
+    /// the group nodes: what an Allocate decides on (the kubelet's view may be a second old;
+    /// reading every PCI device of the node per Allocate would cost far more).
+    fn fresh_pci(&self, asked: &[PciAddress]) -> Result<Snapshot, VmError> {
+        let last = self.pci.borrow().clone();
+        let groups: BTreeSet<u32> = asked
+            .iter()
+            .filter_map(|a| last.device(a).and_then(|d| d.iommu_group))
+            .collect();
+        let mut devices: BTreeMap<PciAddress, vcuda_vm::pci::PciDevice> = last
+            .devices()
+            .map(|d| (d.address.clone(), d.clone()))
+            .collect();
+        let again: BTreeSet<PciAddress> = asked
+            .iter()
+            .cloned()
+            .chain(
+                groups
+                    .iter()
+                    .flat_map(|g| last.group(*g).map(|d| d.address.clone())),
+            )
+            .collect();
+        for addr in again {
+            match sysfs::read_pci_device(&self.sysfs, &addr) {
+                Ok(d) => {
+                    devices.insert(addr, d);
+                }
+                Err(SysfsError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    devices.remove(&addr); // unplugged: Gone
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(Snapshot::new(
+            devices.into_values().collect(),
+            sysfs::read_vfio_groups(&self.dev)?,
+        ))
+    }
+
+    /// Bring `book`'s snapshot up to date for `parents` (their types re-read) and the mdevs
+    /// `uuids` (each, with its parent and type, added or dropped as sysfs shows it now).
+    fn refresh_book(
+        &self,
+        book: &mut MdevBook,
+        parents: &BTreeSet<PciAddress>,
+        mdevs: &[(MdevUuid, PciAddress, String)],
+    ) -> Result<(), VmError> {
+        for p in parents.iter().filter(|p| self.parents.contains(p)) {
+            let types = sysfs::read_mdev_types(&self.sysfs, p)?;
+            book.snapshot.types.retain(|t| &t.parent != p);
+            book.snapshot.types.extend(types);
+        }
+        for (uuid, parent, type_id) in mdevs {
+            book.snapshot.mdevs.retain(|m| &m.uuid != uuid);
+            let entry = self.sysfs.join("bus/mdev/devices").join(uuid.as_str());
+            if std::fs::symlink_metadata(&entry).is_err() {
+                continue; // gone
+            }
+            let group = std::fs::read_link(entry.join("iommu_group"))
+                .ok()
+                .and_then(|l| l.file_name()?.to_str()?.parse().ok());
+            book.snapshot.mdevs.push(mdev::Mdev {
+                uuid: uuid.clone(),
+                type_id: type_id.clone(),
+                parent: parent.clone(),
+                iommu_group: group,
+            });
+        }
+        Ok(())
+    }
+
     fn reread_mdevs(&self) -> Result<(), VmError> {
         let s = sysfs::mdev_snapshot(&self.sysfs, &self.parents)?;
         let mut book = self.mdev.lock();
@@ -374,24 +450,36 @@ impl VmNode {
 
     /// `List` on the kubelet's PodResources socket.
     async fn list_pods(&self) -> Result<pr::ListPodResourcesResponse, PodsError> {
-        let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(10));
-        let channel = vcuda_proto::uds::connect_with(endpoint, &self.pod_resources)
-            .await
-            .map_err(|e| PodsError {
-                socket: self.pod_resources.clone(),
-                reason: e.to_string(),
-            })?;
+        let channel = {
+            let mut kept = self.pr_channel.lock().await;
+            match kept.as_ref() {
+                Some(c) => c.clone(),
+                None => {
+                    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+                        .connect_timeout(Duration::from_secs(2))
+                        .timeout(Duration::from_secs(10));
+                    let c = vcuda_proto::uds::connect_with(endpoint, &self.pod_resources)
+                        .await
+                        .map_err(|e| PodsError {
+                            socket: self.pod_resources.clone(),
+                            reason: e.to_string(),
+                        })?;
+                    *kept = Some(c.clone());
+                    c
+                }
+            }
+        };
         let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
-        client
-            .list(pr::ListPodResourcesRequest {})
-            .await
-            .map(|r| r.into_inner())
-            .map_err(|s| PodsError {
-                socket: self.pod_resources.clone(),
-                reason: s.message().to_string(),
-            })
+        match client.list(pr::ListPodResourcesRequest {}).await {
+            Ok(r) => Ok(r.into_inner()),
+            Err(s) => {
+                *self.pr_channel.lock().await = None; // dial afresh next time
+                Err(PodsError {
+                    socket: self.pod_resources.clone(),
+                    reason: s.message().to_string(),
+                })
+            }
+        }
     }
 
     /// The Allocate of mdev device IDs `ids` of `resource`: plan against a fresh read,
@@ -406,8 +494,25 @@ impl VmNode {
                 "vcuda: {e}; without it a re-used device id cannot be told from a live pod's, so nothing is created"
             ))
         })?;
-        self.reread_mdevs().map_err(node_fault)?;
         let mut book = self.mdev.lock();
+        // Fresh where it decides: the asked types' counts, and whether the asked IDs' old
+        // mdevs still exist (the rest of the snapshot is at most a refresh old).
+        let parents: BTreeSet<PciAddress> = ids
+            .iter()
+            .filter_map(|raw| raw.parse::<DeviceId>().ok())
+            .map(|id| id.parent)
+            .collect();
+        let olds: Vec<(MdevUuid, PciAddress, String)> = ids
+            .iter()
+            .filter_map(|raw| raw.parse::<DeviceId>().ok())
+            .filter_map(|id| {
+                book.ledger
+                    .get(&id)
+                    .map(|r| (r.uuid.clone(), id.parent.clone(), id.type_id.clone()))
+            })
+            .collect();
+        self.refresh_book(&mut book, &parents, &olds)
+            .map_err(node_fault)?;
         let MdevBook { ledger, warned, .. } = &mut *book;
         let live = bind_pods(ledger, &list, &self.mdev_resources, warned);
         let pods = Liveness {
@@ -472,8 +577,27 @@ impl VmNode {
                 }
             }
         };
+        // What the plan touched, as it is now (created, removed, or undone). A removed mdev
+        // was in the snapshot: the plan removes only mdevs it shows.
+        let touched: Vec<(MdevUuid, PciAddress, String)> = plan
+            .actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Create {
+                    parent,
+                    type_id,
+                    uuid,
+                } => Some((uuid.clone(), parent.clone(), type_id.clone())),
+                Action::Remove { uuid } => book
+                    .snapshot
+                    .mdevs
+                    .iter()
+                    .find(|m| &m.uuid == uuid)
+                    .map(|m| (uuid.clone(), m.parent.clone(), m.type_id.clone())),
+            })
+            .collect();
+        let reread = self.refresh_book(&mut book, &parents, &touched);
         drop(book);
-        let reread = self.reread_mdevs();
         self.mdev_changed.send_modify(|n| *n += 1);
         result.map_err(|e| match failed_remove {
             // The kubelet re-used the id of a gone pod whose VM still holds its vGPU.
@@ -825,10 +949,12 @@ impl Backend for Passthrough {
         &self,
         requests: Vec<dp::ContainerAllocateRequest>,
     ) -> Result<Vec<dp::ContainerAllocateResponse>, Status> {
-        // A fresh read: the kubelet's view may be a second old.
-        let pci = sysfs::pci_snapshot(&self.node.sysfs, &self.node.dev)
-            .map_err(|e| node_fault(e.into()))?;
-        self.node.publish_pci(pci.clone());
+        let asked: Vec<PciAddress> = requests
+            .iter()
+            .flat_map(|r| &r.devices_ids)
+            .filter_map(|id| id.parse().ok())
+            .collect();
+        let pci = self.node.fresh_pci(&asked).map_err(node_fault)?;
         let served = &self.node.models[&self.resource];
         requests
             .iter()
