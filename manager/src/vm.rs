@@ -63,6 +63,8 @@ pub enum VmError {
     },
     #[error("mdev {uuid} was created but {} does not show it; the driver did not make it", path.display())]
     NotCreated { uuid: MdevUuid, path: PathBuf },
+    #[error("its removal has not returned within {}s (the driver waits for the VM to let go of mdev {uuid})", REMOVE_WAIT_ALLOCATE.as_secs())]
+    RemovePending { uuid: MdevUuid },
 }
 
 impl VmError {
@@ -75,6 +77,7 @@ impl VmError {
             VmError::CheckpointWrite { .. } => "vm-checkpoint-write",
             VmError::Write { .. } => "sysfs-write",
             VmError::NotCreated { .. } => "mdev-not-created",
+            VmError::RemovePending { .. } => "mdev-remove-pending",
         }
     }
 }
@@ -106,6 +109,95 @@ pub struct VmNode {
     mdev_resources: BTreeSet<String>,
     /// The kept PodResources channel (dialled again after an error).
     pr_channel: tokio::sync::Mutex<Option<tonic::transport::Channel>>,
+    /// `remove` writes in flight, each on a thread of its own.
+    removals: Removals,
+}
+
+/// How long the refresh loop waits for a `remove` it starts, and an Allocate for the
+/// removal of a re-used ID's old mdev, before going on without it.
+const REMOVE_WAIT_CLEANUP: Duration = Duration::from_millis(100);
+const REMOVE_WAIT_ALLOCATE: Duration = Duration::from_secs(1);
+
+/// `remove` writes that may block: on current kernels, writing `1` to an mdev's `remove`
+/// blocks until the VM holding it lets go (vfio asks the user to release the device and
+/// waits); older vendor drivers refuse with EBUSY instead. A VM — a tenant — must not be
+/// able to stall the manager that way, so each write runs on a thread of its own and the
+/// caller waits a bounded time: done, refused, or still pending (looked at again later,
+/// never written twice).
+pub struct Removals {
+    sysfs: PathBuf,
+    inflight:
+        parking_lot::Mutex<BTreeMap<MdevUuid, std::sync::mpsc::Receiver<Result<(), VmError>>>>,
+}
+
+/// Where a `remove` stands.
+#[derive(Debug)]
+pub enum Removal {
+    Done,
+    /// The write has not returned: the driver waits for the VM to let go.
+    Pending,
+}
+
+impl Removals {
+    pub fn new(sysfs: PathBuf) -> Removals {
+        Removals {
+            sysfs,
+            inflight: parking_lot::Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Remove mdev `uuid` (start the write, or look at the one in flight), waiting at most
+    /// `wait`.
+    pub fn remove(&self, uuid: &MdevUuid, wait: Duration) -> Result<Removal, VmError> {
+        let taken = self.inflight.lock().remove(uuid);
+        let rx = match taken {
+            Some(rx) => rx,
+            None => {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let path = self
+                    .sysfs
+                    .join(Action::Remove { uuid: uuid.clone() }.write().0);
+                std::thread::Builder::new()
+                    .name("mdev-remove".into())
+                    .spawn(move || {
+                        let _ = tx.send(write_file(&path, "1"));
+                    })
+                    .map_err(|source| VmError::Write {
+                        path: self.sysfs.join("bus/mdev/devices").join(uuid.as_str()),
+                        content: "1".into(),
+                        source,
+                    })?;
+                rx
+            }
+        };
+        match rx.recv_timeout(wait) {
+            Ok(result) => result.map(|()| Removal::Done),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                self.inflight.lock().insert(uuid.clone(), rx);
+                Ok(Removal::Pending)
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Ok(Removal::Pending),
+        }
+    }
+
+    /// Whether a `remove` of `uuid` is still in flight.
+    pub fn pending(&self, uuid: &MdevUuid) -> bool {
+        self.inflight.lock().contains_key(uuid)
+    }
+}
+
+/// Write `content` to an existing sysfs file (no create, no truncate).
+fn write_file(path: &Path, content: &str) -> Result<(), VmError> {
+    let err = |source| VmError::Write {
+        path: path.to_path_buf(),
+        content: content.to_string(),
+        source,
+    };
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(err)?;
+    f.write_all(content.as_bytes()).map_err(err)
 }
 
 struct MdevBook {
@@ -172,6 +264,7 @@ impl VmNode {
             mdev_changed: watch::channel(0).0,
             mdev_resources,
             pr_channel: tokio::sync::Mutex::new(None),
+            removals: Removals::new(vm.sysfs_root.clone()),
         });
         node.remove_orphans()?;
         for (name, addrs) in &node.models {
@@ -217,9 +310,18 @@ impl VmNode {
     fn remove_orphans(&self) -> Result<(), VmError> {
         let book = self.mdev.lock();
         for a in mdev::plan_orphans(&book.ledger, &book.snapshot) {
-            info!(action = ?a, "removing an mdev no checkpoint record names (left by a crash)");
-            if let Err(e) = self.execute(&a) {
-                warn!(error = %e, "cannot remove an orphaned mdev; it stays until removed by hand");
+            let Action::Remove { uuid } = &a else {
+                continue;
+            };
+            info!(mdev = %uuid, "removing an mdev no checkpoint record names (left by a crash)");
+            match self.removals.remove(uuid, REMOVE_WAIT_ALLOCATE) {
+                Ok(Removal::Done) => {}
+                Ok(Removal::Pending) => {
+                    warn!(mdev = %uuid, "an orphaned mdev is still held by a VM; its removal waits for it to let go")
+                }
+                Err(e) => {
+                    warn!(error = %e, "cannot remove an orphaned mdev; it stays until removed by hand")
+                }
             }
         }
         drop(book);
@@ -394,9 +496,19 @@ impl VmNode {
                 uuid: r.uuid.clone(),
             };
             if plan.actions.contains(&remove) {
-                if let Err(e) = self.execute(&remove) {
-                    warn!(device = %id, error = %e, "cannot remove the mdev of a gone pod (is its VM still running?); retried in a second");
-                    continue;
+                let first = !self.removals.pending(&r.uuid);
+                match self.removals.remove(&r.uuid, REMOVE_WAIT_CLEANUP) {
+                    Ok(Removal::Done) => {}
+                    Ok(Removal::Pending) => {
+                        if first {
+                            warn!(device = %id, mdev = %r.uuid, "cannot remove the mdev of a gone pod yet: the driver waits for its VM to let go; looked at again every second");
+                        }
+                        continue;
+                    }
+                    Err(e) => {
+                        warn!(device = %id, error = %e, "cannot remove the mdev of a gone pod (is its VM still running?); retried in a second");
+                        continue;
+                    }
                 }
                 info!(device = %id, mdev = %r.uuid, pod = ?r.pod_uid, "removed the mdev of a gone pod");
             } else {
@@ -421,21 +533,7 @@ impl VmNode {
     /// One sysfs write; a `Create` is checked to have made the device.
     fn execute(&self, action: &Action) -> Result<(), VmError> {
         let (rel, content) = action.write();
-        let path = self.sysfs.join(rel);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .map_err(|source| VmError::Write {
-                path: path.clone(),
-                content: content.clone(),
-                source,
-            })?;
-        f.write_all(content.as_bytes())
-            .map_err(|source| VmError::Write {
-                path: path.clone(),
-                content,
-                source,
-            })?;
+        write_file(&self.sysfs.join(rel), &content)?;
         if let Action::Create { uuid, .. } = action {
             let dev = self.sysfs.join("bus/mdev/devices").join(uuid.as_str());
             if std::fs::symlink_metadata(&dev).is_err() {
@@ -552,7 +650,15 @@ impl VmNode {
         let mut failed = None;
         let mut failed_remove = None;
         for (i, a) in plan.actions.iter().enumerate() {
-            if let Err(e) = self.execute(a) {
+            let done = match a {
+                Action::Remove { uuid } => match self.removals.remove(uuid, REMOVE_WAIT_ALLOCATE) {
+                    Ok(Removal::Done) => Ok(()),
+                    Ok(Removal::Pending) => Err(VmError::RemovePending { uuid: uuid.clone() }),
+                    Err(e) => Err(e),
+                },
+                Action::Create { .. } => self.execute(a),
+            };
+            if let Err(e) = done {
                 if let Action::Remove { uuid } = a {
                     failed_remove = Some(uuid.clone());
                 }
@@ -1101,6 +1207,46 @@ mod tests {
             load_checkpoint(&path),
             Err(VmError::CheckpointParse { .. })
         ));
+    }
+
+    /// A VM holding its vGPU makes the kernel's `remove` write block (a FIFO without a
+    /// reader plays that): the caller gets `Pending` within its wait, asking again neither
+    /// blocks nor writes a second time, and once the VM lets go the removal is done.
+    #[test]
+    fn a_remove_the_driver_holds_does_not_block_the_manager() {
+        use std::io::Read;
+        let dir = tempfile::tempdir().unwrap();
+        let uuid: MdevUuid = "5b1f8a4e-0c2d-4e6f-8a9b-0c1d2e3f4a5b".parse().unwrap();
+        let d = dir.path().join("bus/mdev/devices").join(uuid.as_str());
+        std::fs::create_dir_all(&d).unwrap();
+        let fifo = d.join("remove");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let r = Removals::new(dir.path().to_path_buf());
+        assert!(matches!(
+            r.remove(&uuid, Duration::from_millis(50)),
+            Ok(Removal::Pending)
+        ));
+        assert!(r.pending(&uuid));
+        assert!(matches!(
+            r.remove(&uuid, Duration::from_millis(10)),
+            Ok(Removal::Pending)
+        ));
+        // the VM lets go: the one write in flight completes, and only it
+        let mut written = String::new();
+        std::fs::File::open(&fifo)
+            .unwrap()
+            .read_to_string(&mut written)
+            .unwrap();
+        assert_eq!(written, "1");
+        assert!(matches!(
+            r.remove(&uuid, Duration::from_secs(10)),
+            Ok(Removal::Done)
+        ));
+        assert!(!r.pending(&uuid));
     }
 
     fn list(pods: &[(&str, &str, &[&str])]) -> pr::ListPodResourcesResponse {

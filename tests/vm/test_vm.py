@@ -74,8 +74,10 @@ class VmNode(Node):
             "--dev-root", self.sysfs_sim.dev, "--pci-ids", self.pci_ids, *extra)
 
     def close(self):
-        super().close()
-        self.sysfs_sim.__exit__(None, None, None)
+        try:
+            super().close()
+        finally:
+            self.sysfs_sim.__exit__(None, None, None)
 
     def ctl_admit(self, pod, resources, namespace="vms"):
         return self.ctl("admit", pod=pod, namespace=namespace, start=True, containers=[
@@ -96,11 +98,13 @@ def vm_node(sim, tmp_path):
     if os.environ.get("VCUDA_MANAGER_FROM_IMAGE") == "1":
         pytest.skip("the VM backends' suite runs the host binary (sysfs-sim's FUSE mount is the node's /sys)")
     n = VmNode(sim, tmp_path / "node", node_devices())
-    n.start_kubelet().start_vm_manager()
-    for r in (CORE, MEMORY, T4, RTX, VGPU_1B, VGPU_2B):
-        n.ctl("wait-registered", resource=r, timeout_s=20)
-    yield n
-    n.close()
+    try:
+        n.start_kubelet().start_vm_manager()
+        for r in (CORE, MEMORY, T4, RTX, VGPU_1B, VGPU_2B):
+            n.ctl("wait-registered", resource=r, timeout_s=20)
+        yield n
+    finally:  # a failed start leaves no mount or process behind
+        n.close()
 
 
 def answer(admitted):
@@ -130,6 +134,13 @@ def test_passthrough_gpus_are_advertised_per_model_and_allocated_as_virt_launche
     # the foreign-group GPU is never handed out: no third healthy RTX
     refused = n.ctl_admit("vm-three", {RTX: 1})
     assert not refused["admitted"]
+
+    # TopologyInfo reached the kubelet: its checkpoint files each device under its NUMA node
+    # (the T4 on node 0, the RTXs on node 1; kubelet.md §9)
+    cp = json.loads((n.plugin_dir / "kubelet_internal_checkpoint").read_text())
+    numa = {e["ResourceName"]: e["DeviceIDs"] for e in cp["Data"]["PodDeviceEntries"]}
+    assert numa[T4] == {"0": ["0000:3b:00.0"]}, numa
+    assert {k: sorted(v) for k, v in numa[RTX].items()} == {"1": ["0000:3c:00.0", "0000:3d:00.0"]}, numa
 
 
 def test_passthrough_health_follows_the_driver_binding_and_the_group_node(vm_node):
