@@ -143,6 +143,34 @@ def test_passthrough_gpus_are_advertised_per_model_and_allocated_as_virt_launche
     assert {k: sorted(v) for k, v in numa[RTX].items()} == {"1": ["0000:3c:00.0", "0000:3d:00.0"]}, numa
 
 
+def test_a_vm_pod_is_given_its_own_devices_and_nothing_else_of_the_host(vm_node):
+    """Hostile tenant (threat-model.md): a VM pod is a tenant, and what the VM backends hand
+    it is the whole of what it reaches on the host. The manager itself sees the host's /sys
+    writable (deploy/overlays/vm); its pods do not: an answer carries no mount (no /sys, no
+    state or checkpoint directory), no annotation or CDI device, only /dev/vfio/vfio and the
+    group nodes of the devices it was allocated (never another pod's), and the one variable
+    virt-launcher reads."""
+    n = vm_node
+    n.wait_counts({T4: (1, 1), VGPU_1B: (16, 16)})
+    seen_groups = []
+    for pod, res in (("vm-pt", {T4: 1}), ("vm-a", {VGPU_1B: 1}), ("vm-b", {VGPU_1B: 1})):
+        r = n.ctl_admit(pod, res)
+        nodes, envs, c = answer(r)
+        resp = c["allocate_response"]
+        assert resp.get("mounts", []) == [], resp
+        assert not resp.get("annotations") and not resp.get("cdi_devices"), resp
+        assert len(envs) == 1 and next(iter(envs)).startswith(("PCI_RESOURCE_", "MDEV_PCI_RESOURCE_")), envs
+        assert all(d["permissions"] == "mrw" for d in resp["devices"])
+        groups = set(nodes) - {"/dev/vfio/vfio"}
+        assert len(groups) == 1 and all(p == nodes[p] and p.startswith("/dev/vfio/") for p in nodes), nodes
+        assert not groups & set(seen_groups), f"{pod} was given another pod's group: {groups}"
+        seen_groups += groups
+    # the vGPU pods' groups are their own mdevs' groups
+    mdev_groups = {"/dev/vfio/" + os.readlink(n.sysfs_sim.sysfs / "bus/mdev/devices" / u / "iommu_group").rsplit("/", 1)[-1]
+                   for u in n.sysfs_sim.mdevs()}
+    assert set(seen_groups[1:]) == mdev_groups
+
+
 def test_passthrough_health_follows_the_driver_binding_and_the_group_node(vm_node):
     n = vm_node
     n.wait_counts({T4: (1, 1)})
