@@ -96,12 +96,13 @@ fn certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>
     Ok(certs)
 }
 
-/// The server side of TLS: this certificate chain and key, and only clients whose
-/// certificate chains to `client_ca` (HTTP/1.1 only, as kube-scheduler's extender client).
+/// The server side of TLS: this certificate chain and key, HTTP/1.1 only. With `client_ca`,
+/// only clients whose certificate chains to it (kube-scheduler's extender client); without,
+/// any client (vcuda-webhook: the API server presents no client certificate by default).
 pub fn server_config(
     cert: &Path,
     key: &Path,
-    client_ca: &Path,
+    client_ca: Option<&Path>,
 ) -> Result<Arc<ServerConfig>, TlsError> {
     let chain = certs("server certificate", cert)?;
     let key_pem = read("server key", key)?;
@@ -111,20 +112,25 @@ pub fn server_config(
         kind: "PRIVATE KEY",
         detail: e.to_string(),
     })?;
-    let mut roots = RootCertStore::empty();
-    for c in certs("client CA", client_ca)? {
-        roots.add(c).map_err(|e| TlsError::ClientCa {
-            path: client_ca.to_path_buf(),
-            detail: e.to_string(),
-        })?;
-    }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .build()
-        .map_err(|e| TlsError::ClientCa {
-            path: client_ca.to_path_buf(),
-            detail: e.to_string(),
-        })?;
+    let verifier = match client_ca {
+        None => WebPkiClientVerifier::no_client_auth(),
+        Some(client_ca) => {
+            let mut roots = RootCertStore::empty();
+            for c in certs("client CA", client_ca)? {
+                roots.add(c).map_err(|e| TlsError::ClientCa {
+                    path: client_ca.to_path_buf(),
+                    detail: e.to_string(),
+                })?;
+            }
+            WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+                .build()
+                .map_err(|e| TlsError::ClientCa {
+                    path: client_ca.to_path_buf(),
+                    detail: e.to_string(),
+                })?
+        }
+    };
     let config_err = |detail: String| TlsError::Config {
         cert: cert.to_path_buf(),
         key: key.to_path_buf(),
@@ -150,11 +156,23 @@ pub async fn serve(
     tls: Option<Arc<ServerConfig>>,
     limits: Limits,
 ) -> io::Result<()> {
+    serve_bounded(listener, app, tls, limits, MAX_BODY).await
+}
+
+/// [`serve`] with request bodies of at most `max_body` bytes (vcuda-webhook's is smaller:
+/// what a connection can hold of its memory is what bounds it under a flood).
+pub async fn serve_bounded(
+    listener: TcpListener,
+    app: Router,
+    tls: Option<Arc<ServerConfig>>,
+    limits: Limits,
+    max_body: usize,
+) -> io::Result<()> {
     match tls {
-        None => vcuda_listen::serve(listener, app, Plain, limits, MAX_BODY).await,
+        None => vcuda_listen::serve(listener, app, Plain, limits, max_body).await,
         Some(config) => {
             let tls = Tls(TlsAcceptor::from(config));
-            vcuda_listen::serve(listener, app, tls, limits, MAX_BODY).await
+            vcuda_listen::serve(listener, app, tls, limits, max_body).await
         }
     }
 }
@@ -171,7 +189,7 @@ impl Handshake for Tls {
         match self.0.accept(stream).await {
             Ok(tls) => Some(tls),
             Err(e) => {
-                tracing::warn!(%peer, error = %e, "TLS handshake refused (a client without kube-scheduler's certificate?)");
+                tracing::warn!(%peer, error = %e, "TLS handshake refused (for the extender: a client without kube-scheduler's certificate?)");
                 None
             }
         }
@@ -208,7 +226,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("vcuda-listen-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let missing = dir.join("missing.pem");
-        let e = server_config(&missing, &missing, &missing)
+        let e = server_config(&missing, &missing, Some(&missing))
             .unwrap_err()
             .to_string();
         assert!(
@@ -219,7 +237,9 @@ mod tests {
         );
         let junk = dir.join("junk.pem");
         std::fs::write(&junk, "not pem").unwrap();
-        let e = server_config(&junk, &junk, &junk).unwrap_err().to_string();
+        let e = server_config(&junk, &junk, Some(&junk))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("holds no PEM CERTIFICATE") && e.contains("junk.pem"),
             "{e}"

@@ -186,7 +186,7 @@ async fn main() -> anyhow::Result<()> {
         ..Policy::default()
     };
     let tls = match (&args.tls_cert, &args.tls_key, &args.client_ca) {
-        (Some(cert), Some(key), Some(ca)) => Some(listen::server_config(cert, key, ca)?),
+        (Some(cert), Some(key), Some(ca)) => Some(listen::server_config(cert, key, Some(ca))?),
         _ if args.insecure_plain_http => {
             tracing::warn!("--insecure-plain-http: anyone who can reach the port can bind pods with the extender's binding right; use --tls-cert, --tls-key and --client-ca in production");
             None

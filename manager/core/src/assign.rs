@@ -44,7 +44,7 @@ pub enum AssignError {
     },
     #[error("pod {pod}: annotation {ASSIGNMENT_ANNOTATION} has schema {schema} but this vcuda-manager reads {SCHEMA}; upgrade vcuda-manager")]
     Schema { pod: String, schema: u32 },
-    #[error("pod {pod}: annotation {GPU_COUNT_ANNOTATION}: {value:?} is not a GPU count 1..={MAX_GPU_COUNT}; fix the annotation and create the pod again")]
+    #[error("pod {pod}: pod annotation {GPU_COUNT_ANNOTATION} = {value:?} is not a number from 1 to {MAX_GPU_COUNT}; set it to the number of GPUs to split each container's share over, and create the pod again")]
     GpuCount { pod: String, value: String },
     #[error("{pod} container {container}: the scheduler's {ASSIGNMENT_ANNOTATION} has no entry for this container (it names {}); delete the pod to schedule it again", names.join(", "))]
     NoEntry {
