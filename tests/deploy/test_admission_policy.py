@@ -1,7 +1,8 @@
-"""deploy/admission-policy/vcuda-admission-policy.yaml: the ValidatingAdmissionPolicies that narrow what
-vcuda-manager and vcuda-scheduler may change on Nodes (vcuda-node-writes) and which Lease
-vcuda-manager may write (vcuda-manager-lease-writes), evaluated here the way the API server
-evaluates them.
+"""deploy/admission-policy: the ValidatingAdmissionPolicies that narrow what vcuda-manager and
+vcuda-scheduler may change on Nodes (vcuda-node-writes) and which Lease vcuda-manager may write
+(vcuda-manager-lease-writes), in vcuda-admission-policy.yaml, and who may write vcuda's
+annotations on Pods (vcuda-pod-annotations, in vcuda-pod-annotations.yaml), evaluated here the
+way the API server evaluates them.
 
 The CEL is evaluated by cel-expr-python (Google's cel-cpp) with its optional-types extension,
 the same CEL with the same optional syntax (`?.`, `[?]`, `orValue`) Kubernetes enables since
@@ -24,7 +25,8 @@ from cel_expr_python.ext import ext_optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-DOCS = [d for d in yaml.safe_load_all((DEPLOY / "admission-policy" / "vcuda-admission-policy.yaml").read_text()) if d]
+POLICY_FILES = ["vcuda-admission-policy.yaml", "vcuda-pod-annotations.yaml"]
+DOCS = [d for f in POLICY_FILES for d in yaml.safe_load_all((DEPLOY / "admission-policy" / f).read_text()) if d]
 
 MANAGER = "system:serviceaccount:vcuda-system:vcuda-manager"
 SCHEDULER = "system:serviceaccount:vcuda-system:vcuda-scheduler"
@@ -47,6 +49,8 @@ POLICIES = by_name("ValidatingAdmissionPolicy")
 BINDINGS = by_name("ValidatingAdmissionPolicyBinding")
 POLICY = POLICIES["vcuda-node-writes"]  # Nodes: both service accounts
 LEASE_POLICY = POLICIES["vcuda-manager-lease-writes"]  # Leases: the manager's own only
+POD_POLICY = POLICIES["vcuda-pod-annotations"]  # Pods: vcuda.io/ annotations are vcuda's
+SERVICE_ACCOUNT_POLICIES = ["vcuda-manager-lease-writes", "vcuda-node-writes"]  # narrow vcuda's own accounts
 COMPILED = {}
 
 
@@ -210,7 +214,7 @@ GPUS = set_annotation("vcuda.io/gpus", '{"schema":1,"gpus":[{"uuid":"GPU-1"}]}')
 def test_policies_and_bindings_are_v1_fail_closed_and_deny():
     for d in DOCS:
         assert d["apiVersion"] == "admissionregistration.k8s.io/v1", d["kind"]
-    assert sorted(POLICIES) == ["vcuda-manager-lease-writes", "vcuda-node-writes"]
+    assert sorted(POLICIES) == ["vcuda-manager-lease-writes", "vcuda-node-writes", "vcuda-pod-annotations"]
     assert POLICY["spec"]["matchConstraints"]["resourceRules"] == [
         {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["nodes"]}
     ]
@@ -246,7 +250,7 @@ def test_every_expression_compiles(name):
             assert used in names, used
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", SERVICE_ACCOUNT_POLICIES)
 def test_the_node_name_comes_from_the_token_extra(name):
     (var,) = [v for v in POLICIES[name]["spec"]["variables"] if NODE_NAME_KEY in v["expression"]]
     assert "request.userInfo" in var["expression"]
@@ -419,7 +423,8 @@ def test_only_node_updates_are_matched():
     assert admit(request(u, "gpu-1", operation="DELETE"), None, old) == (True, "not matched")
     pods = request(u, "p")
     pods["resource"] = {"group": "", "version": "v1", "resource": "pods"}
-    assert admit(pods, {}, {}) == (True, "not matched")
+    node_policies = {name: POLICIES[name] for name in SERVICE_ACCOUNT_POLICIES}
+    assert admit(pods, {}, {}, node_policies) == (True, "not matched")
 
 
 # --- the manager's node Lease: its own only --------------------------------------------
@@ -559,3 +564,168 @@ def test_lease_deletes_are_not_matched():
     # DELETE: RBAC gives the manager none
     assert admit(lease_request(u, "vcuda-manager-gpu-1", "DELETE"), None, lease("vcuda-manager-gpu-1")) == (
         True, "not matched")
+
+
+# --- pods: vcuda.io/ annotations are vcuda's, but vcuda.io/gpu-count at creation ---------
+
+TENANT = "system:serviceaccount:tenant-a:default"
+ASSIGNMENT = '{"schema":1,"containers":{"main":[{"uuid":"GPU-a","corePercent":30,"memoryBytes":1073741824}]}}'
+NOT_AUTHORS = "written by vcuda, not by pod authors"
+VCUDA_ONLY = "are written by vcuda only, and may not be added, changed or removed"
+COUNT_FIXED = "vcuda.io/gpu-count may be set only when the pod is created"
+
+
+def pod(annotations=None, name="train-0", namespace="tenant-a"):
+    """A pod asking for a share of a GPU, as a tenant writes it; after bind (`bound`),
+    vcuda-scheduler's Binding has set vcuda.io/assignment."""
+    meta = {"name": name, "namespace": namespace, "uid": f"uid-{name}", "labels": {"app": "train"}}
+    if annotations is not None:
+        meta["annotations"] = dict(annotations)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"containers": [{"name": "main", "image": "cuda:12",
+                                 "resources": {"limits": {"tencent.com/vcuda-core": "30",
+                                                          "tencent.com/vcuda-memory": "4"}}}]},
+    }
+
+
+def bound(annotations=None):
+    p = pod({**(annotations or {}), "vcuda.io/assignment": ASSIGNMENT})
+    p["spec"]["nodeName"] = "gpu-1"
+    p["metadata"]["resourceVersion"] = "300"
+    return p
+
+
+def pod_request(username, operation, namespace="tenant-a", sub=None):
+    r = {
+        "uid": "req-3",
+        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "name": "train-0",
+        "namespace": namespace,
+        "operation": operation,
+        "userInfo": user(username),
+        "dryRun": False,
+    }
+    if sub:
+        r["subResource"] = sub
+    return r
+
+
+def create_pod(username, annotations):
+    return admit(pod_request(username, "CREATE"), pod(annotations), None)
+
+
+def update_pod(username, old, change):
+    new = copy.deepcopy(old)
+    change(new)
+    new["metadata"]["resourceVersion"] = str(int(old["metadata"].get("resourceVersion", "300")) + 1)
+    return admit(pod_request(username, "UPDATE"), new, old)
+
+
+def test_the_pod_policy_matches_pod_creates_and_updates_and_names_vcudas_accounts():
+    assert POD_POLICY["spec"]["matchConstraints"]["resourceRules"] == [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"], "resources": ["pods"]}]
+    account = r"system:serviceaccount:[a-z0-9.-]+:[a-z0-9.-]+"
+    (mc,) = POD_POLICY["spec"]["matchConditions"]
+    assert set(re.findall(account, mc["expression"])) == {MANAGER, SCHEDULER}
+    assert set(re.findall(account, yaml.safe_dump(POD_POLICY))) == {MANAGER, SCHEDULER}
+
+
+@pytest.mark.parametrize("annotations", [
+    {"vcuda.io/assignment": ASSIGNMENT},
+    {"vcuda.io/assignment": ASSIGNMENT, "vcuda.io/gpu-count": "2"},
+    {"vcuda.io/reservations": "{}"},
+    {"vcuda.io/anything": "x"},
+], ids=["assignment", "assignment-and-gpu-count", "reservations", "unknown-vcuda-key"])
+def test_a_tenant_may_not_create_a_pod_with_vcudas_annotations(annotations):
+    """Picking its own GPU (issue 8): refused before the pod exists, whoever creates it (the
+    tenant, or a controller from a pod template)."""
+    for username in (TENANT, "system:serviceaccount:kube-system:replicaset-controller", "kubernetes-admin"):
+        allowed, message = create_pod(username, annotations)
+        assert not allowed and NOT_AUTHORS in message, (username, message)
+        assert "vcuda.io/gpu-count" in message, "says what the author may set instead"
+
+
+@pytest.mark.parametrize("annotations", [
+    None, {}, {"vcuda.io/gpu-count": "2"}, {"example.com/team": "ml", "vcuda.io.example.com/x": "y", "xvcuda.io/y": "z"},
+    {"prometheus.io/scrape": "true", "vcuda.io/gpu-count": "4"},
+], ids=["no-annotations", "empty", "gpu-count", "lookalikes", "unrelated-and-gpu-count"])
+def test_a_tenant_may_create_a_pod_with_gpu_count_and_other_annotations(annotations):
+    assert create_pod(TENANT, annotations) == (True, "allowed")
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p["metadata"]["annotations"].__setitem__("vcuda.io/assignment", ASSIGNMENT.replace("GPU-a", "GPU-b")),
+    lambda p: p["metadata"]["annotations"].pop("vcuda.io/assignment"),
+    lambda p: p["metadata"].pop("annotations"),
+    lambda p: p["metadata"]["annotations"].__setitem__("vcuda.io/other", "x"),
+], ids=["edit-assignment", "remove-assignment", "remove-all-annotations", "add-vcuda-key"])
+def test_a_tenant_may_not_edit_or_remove_the_assignment(change):
+    allowed, message = update_pod(TENANT, bound(), change)
+    assert not allowed and VCUDA_ONLY in message, message
+    assert "delete the pod" in message
+
+
+def test_a_tenant_may_not_add_an_assignment_to_an_unbound_pod():
+    old = pod({"vcuda.io/gpu-count": "2"})
+    old["metadata"]["resourceVersion"] = "10"
+    allowed, message = update_pod(TENANT, old, lambda p: p["metadata"]["annotations"].__setitem__(
+        "vcuda.io/assignment", ASSIGNMENT))
+    assert not allowed and VCUDA_ONLY in message, message
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p["metadata"]["annotations"].__setitem__("vcuda.io/gpu-count", "4"),
+    lambda p: p["metadata"]["annotations"].pop("vcuda.io/gpu-count"),
+], ids=["changed", "removed"])
+def test_gpu_count_may_not_change_once_the_pod_exists(change):
+    allowed, message = update_pod(TENANT, bound({"vcuda.io/gpu-count": "2"}), change)
+    assert not allowed and COUNT_FIXED in message, message
+    assert "Delete the pod and create it again" in message
+
+
+def test_gpu_count_may_not_be_added_once_the_pod_exists():
+    allowed, message = update_pod(TENANT, bound(), lambda p: p["metadata"]["annotations"].__setitem__(
+        "vcuda.io/gpu-count", "2"))
+    assert not allowed and COUNT_FIXED in message, message
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p["metadata"]["annotations"].__setitem__("example.com/owner", "alice"),
+    lambda p: p["metadata"]["labels"].__setitem__("stage", "prod"),
+    lambda p: p["metadata"].__setitem__("finalizers", ["example.com/keep"]),
+    lambda p: p["spec"]["containers"][0].__setitem__("image", "cuda:12.4"),  # the API server's own rules apply
+], ids=["other-annotation", "label", "finalizer", "image"])
+def test_a_tenant_may_change_everything_else_of_a_bound_pod(change):
+    assert update_pod(TENANT, bound({"vcuda.io/gpu-count": "2"}), change) == (True, "allowed")
+
+
+def test_unchanged_vcuda_annotations_pass_every_update():
+    """kubectl apply/annotate/label keep what they do not name: such updates are allowed."""
+    assert update_pod(TENANT, bound({"vcuda.io/gpu-count": "2"}), lambda p: None) == (True, "allowed")
+
+
+@pytest.mark.parametrize("username", [SCHEDULER, MANAGER])
+def test_vcudas_service_accounts_are_not_matched(username):
+    allowed, why = update_pod(username, bound(), lambda p: p["metadata"]["annotations"].__setitem__(
+        "vcuda.io/assignment", "{}"))
+    assert allowed and why.startswith("matchCondition"), why
+    allowed, why = create_pod(username, {"vcuda.io/assignment": ASSIGNMENT})
+    assert allowed and why.startswith("matchCondition"), why
+
+
+def test_bindings_status_and_deletes_are_not_matched():
+    """vcuda-scheduler writes vcuda.io/assignment through the Binding (pods/binding); the
+    kubelet writes pods/status: neither is matched, nor is DELETE."""
+    only = {"vcuda-pod-annotations": POD_POLICY}
+    binding = pod_request(SCHEDULER, "CREATE", sub="binding")
+    assert admit(binding, {"metadata": {"annotations": {"vcuda.io/assignment": ASSIGNMENT}}}, None, only) == (
+        True, "not matched")
+    # even a tenant's: RBAC, not this policy, keeps tenants from creating Bindings
+    assert admit(pod_request(TENANT, "CREATE", sub="binding"), {}, None, only) == (True, "not matched")
+    assert admit(pod_request("system:node:gpu-1", "UPDATE", sub="status"), bound(), bound(), only) == (
+        True, "not matched")
+    assert admit(pod_request(TENANT, "DELETE"), None, bound(), only) == (True, "not matched")

@@ -19,7 +19,9 @@ OVERLAYS = ["overlays/custom-domain", "overlays/mixed", "overlays/monitoring", "
 # overlays/mixed (the sharing modes on labelled nodes) is checked in test_mixed_overlay.py.
 # Every kustomization and what it must be used with (the Kubernetes versions it is valid for).
 KUSTOMIZATIONS = ["base", "base/manager", "base/manager-api", "base/scheduler", *OVERLAYS,
-                  "admission-policy", "grafana"]
+                  "admission-policy", "grafana", "webhook", "webhook-cert-manager"]
+# deploy/webhook and deploy/webhook-cert-manager (Kubernetes >= 1.28) are checked further in
+# test_webhook_manifests.py.
 OLDEST, NEWEST = "1.20", "1.37"  # the node daemon's oldest; kubernetes-validate's newest
 POLICY_OLDEST = "1.30"  # admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy
 
@@ -72,7 +74,9 @@ def test_the_base_installs_the_manifests_unchanged():
     want = files("base/manager/namespace.yaml", "base/manager/vcuda-manager.yaml",
                  "base/manager-api/vcuda-manager-rbac.yaml", "base/scheduler/vcuda-scheduler.yaml")
     assert rendered("base") == want
-    assert rendered("admission-policy") == files("admission-policy/vcuda-admission-policy.yaml")
+    assert rendered("admission-policy") == files("admission-policy/vcuda-admission-policy.yaml",
+                                                 "admission-policy/vcuda-pod-annotations.yaml")
+    assert rendered("webhook") == files("webhook/vcuda-webhook.yaml", "webhook/vcuda-webhook-configurations.yaml")
 
 
 # --- validation against Kubernetes' schemas --------------------------------------------------
