@@ -8,8 +8,10 @@ daemon, and libvcuda runs inside two "pods" sharing GPU 0:
 Each runs a saturating kernel loop and holds device memory; gpusim's ground truth shows
 their utilization over the run against their shares, and their memory; pod A asks for more
 than its quota and is refused; vcuda-smi shows the node as an operator sees it. First, a
-request the contract does not allow is refused with a reason the user reads in
-`kubectl describe pod`.
+request the contract does not allow is refused at creation by vcuda-webhook (apiserver-sim
+calling it over HTTPS, installed as deploy/webhook and make-webhook-certs.sh install it), and
+then, as on a cluster without the webhook, by the kubelet's Allocate with the reason the user
+reads in `kubectl describe pod`.
 
 With --containers each pod is a real container: kubelet-sim plays the container runtime
 too (`serve --runtime docker`, tests/kubelet-sim/README.md "The runtime mode") and starts it
@@ -46,6 +48,10 @@ from node_common import CORE, MEMORY, RELEASE, Node  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent / "containers"))
 import runtime  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent / "webhook"))
+from webhook_stack import WebhookStack  # noqa: E402
+from webhook_stack import pod as webhook_pod  # noqa: E402
 
 
 class DockerPod:
@@ -96,7 +102,14 @@ def main():
         for r in node.status()["resources"]:
             print(f"  {r['name']:24} {len(r['devices']):4} devices, {len(r['healthy'])} healthy  (registered {time.monotonic() - t0:.2f} s after start)")
 
-        say("a pod asking for 150 cores (neither a share nor whole GPUs) is refused with a reason")
+        say("a pod asking for 150 cores (neither a share nor whole GPUs) is refused at `kubectl apply` by vcuda-webhook")
+        with WebhookStack(work / "webhook") as api:
+            status, body, _ = api.create_pod(webhook_pod("pod-x", {CORE: 150, MEMORY: 4}))
+            assert status == 422, body
+            print(f"  kubectl apply -f pod-x.yaml  ->  Error from server ({body['reason']}): {body['message']}")
+            stored = api.api("GET", "/api/v1/namespaces/default/pods/pod-x")[0]
+            print(f"  kubectl get pod pod-x  ->  {'NotFound: nothing to clean up, no controller retrying' if stored == 404 else stored}")
+        say("without the webhook the same pod reaches the node, where the kubelet's Allocate refuses it for the same reason")
         r = node.admit("pod-x", core=150, memory=4)
         print(f"  admitted: {r['admitted']}; {r['rejection']['reason']}: {r['rejection']['message']}")
 
