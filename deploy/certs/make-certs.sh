@@ -100,24 +100,11 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# A key: ECDSA P-256 (accepted by Go's crypto/tls in kube-scheduler and by rustls in the
-# extender), PKCS#8 PEM, mode 0600.
-newkey() {
-    openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1" 2>/dev/null
-    chmod 600 "$1"
-}
-serial() { echo "0x$(openssl rand -hex 16)"; }
+# newkey, serial, make_ca
+. "$(dirname "$0")/certs-lib.sh"
 
 # The CA.
-newkey "$work/ca.key"
-cat > "$work/ca.ext" <<EXT
-basicConstraints = critical, CA:TRUE, pathlen:0
-keyUsage = critical, keyCertSign, cRLSign
-subjectKeyIdentifier = hash
-EXT
-openssl req -new -key "$work/ca.key" -subj "/O=vcuda/CN=vcuda-scheduler CA" -out "$work/ca.csr"
-openssl x509 -req -in "$work/ca.csr" -signkey "$work/ca.key" -days "$ca_days" \
-    -set_serial "$(serial)" -extfile "$work/ca.ext" -out "$work/ca.crt" 2>/dev/null
+make_ca "$work" "vcuda-scheduler CA" "$ca_days"
 
 # A leaf certificate signed by the CA: name, CN, extended key usage, extra extensions.
 leaf() {

@@ -106,23 +106,11 @@ rel=$(realpath -m --relative-to="$abs" "$base" 2>/dev/null) || rel=$base
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# ECDSA P-256 (accepted by Go's crypto/tls in the API server and by rustls in the webhook),
-# PKCS#8 PEM, mode 0600.
-newkey() {
-    openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1" 2>/dev/null
-    chmod 600 "$1"
-}
-serial() { echo "0x$(openssl rand -hex 16)"; }
+# newkey, serial, make_ca
+. "$(dirname "$0")/certs-lib.sh"
 
-newkey "$work/ca.key"
-cat > "$work/ca.ext" <<EXT
-basicConstraints = critical, CA:TRUE, pathlen:0
-keyUsage = critical, keyCertSign, cRLSign
-subjectKeyIdentifier = hash
-EXT
-openssl req -new -key "$work/ca.key" -subj "/O=vcuda/CN=vcuda-webhook CA" -out "$work/ca.csr"
-openssl x509 -req -in "$work/ca.csr" -signkey "$work/ca.key" -days "$ca_days" \
-    -set_serial "$(serial)" -extfile "$work/ca.ext" -out "$work/ca.crt" 2>/dev/null
+# The CA.
+make_ca "$work" "vcuda-webhook CA" "$ca_days"
 
 newkey "$work/tls.key"
 cat > "$work/tls.ext" <<EXT

@@ -150,20 +150,6 @@ fn parse_ttl(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| e.to_string())
 }
 
-async fn client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Client> {
-    let Some(path) = kubeconfig else {
-        return kube::Client::try_default()
-            .await
-            .context("cannot configure the API server client (no in-cluster service account and no usable KUBECONFIG); pass --kubeconfig");
-    };
-    let kc = kube::config::Kubeconfig::read_from(path)
-        .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .with_context(|| format!("kubeconfig {} is not usable", path.display()))?;
-    kube::Client::try_from(cfg).context("cannot build the API server client")
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -195,7 +181,7 @@ async fn main() -> anyhow::Result<()> {
             "vcuda-scheduler serves HTTPS and admits only kube-scheduler's client certificate: pass --tls-cert, --tls-key and --client-ca (deploy/certs/make-certs.sh makes them), or --insecure-plain-http for development"
         ),
     };
-    let client = client(args.kubeconfig.as_ref()).await?;
+    let client = vcuda_scheduler::state::client(args.kubeconfig.as_deref()).await?;
     let mut state = AppState::new(policy, args.domain.clone(), client)
         .with_reservation_ttl(args.reservation_ttl)
         .with_whole_resource(args.whole_resource.clone())

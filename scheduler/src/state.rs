@@ -1,4 +1,5 @@
-//! What the extender's handlers share (I/O): the settings, the kube client and the two read
+//! What the extender's handlers share (I/O): the settings, the kube client ([`client`] makes
+//! it, for vcuda-webhook too) and the two read
 //! caches, the node list for `nodeCacheCapable` requests (reused for at most
 //! [`NODE_CACHE_TTL`]) and the quota ConfigMap ([`QuotaSource`]; how it is read, and what its
 //! rules decide, is [`crate::admission`]'s); and [`node_view`], a node as placement sees it.
@@ -8,6 +9,7 @@
 //! cycle.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -20,6 +22,48 @@ use crate::liveness::{self, Tracker, Verdict};
 use crate::placement::{Expiry, NodeView, Policy};
 use crate::quota::{Claim, QuotaConfig};
 use crate::settings::ConfigMapRef;
+
+/// Why no API server client could be made; each says what to pass instead.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot configure the API server client (no in-cluster service account and no usable KUBECONFIG: {0}); pass --kubeconfig")]
+    Default(#[source] kube::Error),
+    #[error("cannot read kubeconfig {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    #[error("kubeconfig {path} is not usable: {source}")]
+    Unusable {
+        path: PathBuf,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    #[error("cannot build the API server client: {0}")]
+    Build(#[source] kube::Error),
+}
+
+/// The API server client of vcuda-scheduler and vcuda-webhook: from `kubeconfig`, else
+/// in-cluster, else `KUBECONFIG`.
+pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, ClientError> {
+    let Some(path) = kubeconfig else {
+        return kube::Client::try_default()
+            .await
+            .map_err(ClientError::Default);
+    };
+    let kc = kube::config::Kubeconfig::read_from(path).map_err(|source| ClientError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .map_err(|source| ClientError::Unusable {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    kube::Client::try_from(cfg).map_err(ClientError::Build)
+}
 
 /// How long a node list fetched for `nodeCacheCapable` requests is reused.
 pub const NODE_CACHE_TTL: Duration = Duration::from_secs(2);

@@ -76,20 +76,6 @@ struct Args {
     max_connections: u32,
 }
 
-async fn client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Client> {
-    let Some(path) = kubeconfig else {
-        return kube::Client::try_default()
-            .await
-            .context("cannot configure the API server client (no in-cluster service account and no usable KUBECONFIG); pass --kubeconfig, or --api off");
-    };
-    let kc = kube::config::Kubeconfig::read_from(path)
-        .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .with_context(|| format!("kubeconfig {} is not usable", path.display()))?;
-    kube::Client::try_from(cfg).context("cannot build the API server client")
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -130,7 +116,9 @@ async fn main() -> anyhow::Result<()> {
         args.node_poll * 3,
     );
     if args.api == Api::Auto {
-        let client = client(args.kubeconfig.as_ref()).await?;
+        let client = vcuda_scheduler::state::client(args.kubeconfig.as_deref())
+            .await
+            .context("vcuda-webhook reads Nodes with --api auto (or pass --api off)")?;
         tokio::spawn(server::follow_nodes(shared.clone(), client, args.node_poll));
     }
     if let Some(path) = &args.config {
