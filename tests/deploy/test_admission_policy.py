@@ -25,7 +25,7 @@ from cel_expr_python.ext import ext_optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-POLICY_FILES = ["vcuda-admission-policy.yaml", "vcuda-pod-annotations.yaml"]
+POLICY_FILES = ["vcuda-admission-policy.yaml", "vcuda-pod-annotations.yaml", "vcuda-node-annotations.yaml"]
 DOCS = [d for f in POLICY_FILES for d in yaml.safe_load_all((DEPLOY / "admission-policy" / f).read_text()) if d]
 
 MANAGER = "system:serviceaccount:vcuda-system:vcuda-manager"
@@ -50,6 +50,7 @@ BINDINGS = by_name("ValidatingAdmissionPolicyBinding")
 POLICY = POLICIES["vcuda-node-writes"]  # Nodes: both service accounts
 LEASE_POLICY = POLICIES["vcuda-manager-lease-writes"]  # Leases: the manager's own only
 POD_POLICY = POLICIES["vcuda-pod-annotations"]  # Pods: vcuda.io/ annotations are vcuda's
+NODE_ANNOTATIONS = POLICIES["vcuda-node-annotations"]  # Nodes: vcuda.io/gpus, reservations are vcuda's
 SERVICE_ACCOUNT_POLICIES = ["vcuda-manager-lease-writes", "vcuda-node-writes"]  # narrow vcuda's own accounts
 COMPILED = {}
 
@@ -214,7 +215,8 @@ GPUS = set_annotation("vcuda.io/gpus", '{"schema":1,"gpus":[{"uuid":"GPU-1"}]}')
 def test_policies_and_bindings_are_v1_fail_closed_and_deny():
     for d in DOCS:
         assert d["apiVersion"] == "admissionregistration.k8s.io/v1", d["kind"]
-    assert sorted(POLICIES) == ["vcuda-manager-lease-writes", "vcuda-node-writes", "vcuda-pod-annotations"]
+    assert sorted(POLICIES) == ["vcuda-manager-lease-writes", "vcuda-node-annotations", "vcuda-node-writes",
+                                "vcuda-pod-annotations"]
     assert POLICY["spec"]["matchConstraints"]["resourceRules"] == [
         {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["nodes"]}
     ]
@@ -411,7 +413,10 @@ def test_scheduler_may_change_nothing_else(change, word):
     ],
 )
 def test_other_users_are_not_matched(username):
-    allowed, why = decide(username, "gpu-1", set_label("nvidia.com/gpu.present", "false"), node_name="gpu-9")
+    node_policies = {name: POLICIES[name] for name in SERVICE_ACCOUNT_POLICIES}
+    old = node("gpu-1")
+    new = write(old, set_label("nvidia.com/gpu.present", "false"))
+    allowed, why = admit(request(user(username, "gpu-9"), "gpu-1"), new, old, node_policies)
     assert allowed and why.startswith("matchCondition"), why
 
 
@@ -729,3 +734,49 @@ def test_bindings_status_and_deletes_are_not_matched():
     assert admit(pod_request("system:node:gpu-1", "UPDATE", sub="status"), bound(), bound(), only) == (
         True, "not matched")
     assert admit(pod_request(TENANT, "DELETE"), None, bound(), only) == (True, "not matched")
+
+
+# --- nodes: vcuda.io/gpus and vcuda.io/reservations are vcuda's service accounts' only -----
+
+NODE_VCUDA_ONLY = "a Node's vcuda.io/gpus and vcuda.io/reservations annotations are written by"
+
+
+@pytest.mark.parametrize("username", ["system:node:gpu-1", "kubernetes-admin",
+                                      "system:serviceaccount:kube-system:node-controller",
+                                      "system:serviceaccount:tenant-a:vcuda-manager"])
+@pytest.mark.parametrize("change", [
+    set_annotation("vcuda.io/gpus", '{"schema":1,"gpus":[{"uuid":"GPU-forged"}]}'),
+    set_annotation("vcuda.io/reservations", '{"schema":1,"items":[{"pod":"mine"}]}'),
+    drop_annotation("vcuda.io/reservations"),
+    drop_annotation("vcuda.io/gpus"),
+], ids=["forge-gpus", "forge-reservations", "drop-reservations", "drop-gpus"])
+def test_nobody_but_vcuda_writes_a_nodes_vcuda_annotations(username, change):
+    allowed, why = decide(username, "gpu-1", change, node_name="gpu-1")
+    assert not allowed and why.startswith(NODE_VCUDA_ONLY), why
+
+
+def test_a_node_registered_with_vcuda_annotations_is_refused():
+    n = node("gpu-7")
+    allowed, why = admit(request(user("system:node:gpu-7"), "gpu-7", operation="CREATE"), n, None)
+    assert not allowed and why.startswith(NODE_VCUDA_ONLY), why
+    del n["metadata"]["annotations"]["vcuda.io/gpus"], n["metadata"]["annotations"]["vcuda.io/reservations"]
+    assert admit(request(user("system:node:gpu-7"), "gpu-7", operation="CREATE"), n, None) == (True, "allowed")
+
+
+@pytest.mark.parametrize("change", [set_label("nvidia.com/gpu.present", "false"), taint,
+                                    set_annotation("node.alpha.kubernetes.io/ttl", "30")])
+def test_everything_else_of_a_node_stays_theirs(change):
+    for username in ("system:node:gpu-1", "kubernetes-admin"):
+        assert decide(username, "gpu-1", change, node_name="gpu-1") == (True, "allowed")
+
+
+def test_vcudas_accounts_are_judged_by_the_node_writes_policy_alone():
+    for username in (MANAGER, SCHEDULER):
+        old = node("gpu-1")
+        allowed, why = admit(request(user(username, "gpu-1"), "gpu-1"), write(old, RESERVE), old,
+                             {"vcuda-node-annotations": NODE_ANNOTATIONS})
+        assert allowed and why.startswith("matchCondition"), why
+    # and the status subresource is not matched (metadata written there is ignored)
+    old = node("gpu-1")
+    assert admit(request(user("system:node:gpu-1"), "gpu-1", sub="status"), write(old, GPUS), old,
+                 {"vcuda-node-annotations": NODE_ANNOTATIONS}) == (True, "not matched")

@@ -75,7 +75,8 @@ def test_the_base_installs_the_manifests_unchanged():
                  "base/manager-api/vcuda-manager-rbac.yaml", "base/scheduler/vcuda-scheduler.yaml")
     assert rendered("base") == want
     assert rendered("admission-policy") == files("admission-policy/vcuda-admission-policy.yaml",
-                                                 "admission-policy/vcuda-pod-annotations.yaml")
+                                                 "admission-policy/vcuda-pod-annotations.yaml",
+                                                 "admission-policy/vcuda-node-annotations.yaml")
     assert rendered("webhook") == files("webhook/vcuda-webhook.yaml", "webhook/vcuda-webhook-configurations.yaml")
 
 

@@ -42,7 +42,7 @@ struct Args {
     /// The certificate's private key (PEM).
     #[arg(long, value_name = "FILE")]
     tls_key: Option<PathBuf>,
-    /// Serve plain HTTP (development and benchmarks only: the API server calls webhooks
+    /// Serve plain HTTP (development only: the API server calls webhooks
     /// over HTTPS alone).
     #[arg(long)]
     insecure_plain_http: bool,
@@ -91,7 +91,7 @@ async fn main() -> anyhow::Result<()> {
             "vcuda-webhook's --tls-cert/--tls-key (deploy/certs/make-webhook-certs.sh makes them)",
         )?),
         _ if args.insecure_plain_http => {
-            tracing::warn!("--insecure-plain-http: the API server calls webhooks over HTTPS only; for development and benchmarks");
+            tracing::warn!("--insecure-plain-http: the API server calls webhooks over HTTPS only; for development");
             None
         }
         _ => anyhow::bail!(
