@@ -193,6 +193,37 @@ def test_nvml_shows_only_the_containers_gpu(setup):
     assert r["mps_size_query"] == [SUCCESS, 0, []] and r["graphics_v2_size_query"] == [SUCCESS, 0, []]
 
 
+REINIT = PRELUDE + textwrap.dedent(
+    """
+    # The handles libvcuda keeps between calls (issue 22) are the caller's NVML's only while
+    # it stays initialised: after nvmlShutdown every lookup is UNINITIALIZED again, as
+    # without libvcuda, and after a new nvmlInit the container's GPU is found again.
+    N.nvmlInit()
+    h = N.nvmlDeviceGetHandleByIndex(0)
+    before = [N.nvmlDeviceGetMemoryInfo(h).total for _ in range(3)]
+    N.nvmlShutdown()
+    c, hv = ctypes.c_uint(99), N.c_nvmlDevice_t()
+    after_shutdown = [fn("nvmlDeviceGetHandleByIndex_v2")(0, ctypes.byref(hv)),
+                      fn("nvmlDeviceGetHandleByIndex")(0, ctypes.byref(hv)),
+                      fn("nvmlDeviceGetCount_v2")(ctypes.byref(c))]
+    N.nvmlInit()
+    h = N.nvmlDeviceGetHandleByIndex(0)
+    out({"before": before, "after_shutdown": after_shutdown,
+         "again": [N.nvmlDeviceGetUUID(h), N.nvmlDeviceGetMemoryInfo(h).total, N.nvmlDeviceGetCount()]})
+    """
+)
+
+
+def test_the_kept_handles_follow_the_callers_nvml_shutdown_and_init(setup):
+    sim, container, gpus = setup
+    p = container.python(REINIT)
+    assert p.stderr == "", p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["before"] == [QUOTA_MIB * MiB] * 3
+    assert r["after_shutdown"] == [UNINITIALIZED] * 3
+    assert r["again"] == [gpus[1]["uuid"], QUOTA_MIB * MiB, 1]
+
+
 def test_nvml_lists_and_counts_only_the_containers_processes(setup, workload):
     sim, container, gpus = setup
     outsider = hold(sim, workload, 256, "--dev", "1")  # same GPU, not in the container

@@ -670,6 +670,29 @@ impl Region {
     }
 
     /// Every active process.
+    /// (pid the driver reports, pid in the container) of every active slot, written into
+    /// `out` (one entry per slot at most); returns how many. The driver's pid is the host pid
+    /// the manager recorded, or the slot's own pid until it has. No allocation: NVML's
+    /// process lists call it on every call.
+    pub fn process_pids(&self, out: &mut [(u32, u32); MAX_PROCS]) -> usize {
+        // Slots past every one in use are free: the bound the sums use (see `sum`).
+        let used = (self.header().slots_used.load(Acquire)).max(self.seen_used.load(Relaxed));
+        let mut n = 0;
+        for s in &self.slots()[..(used as usize).min(MAX_PROCS)] {
+            if s.state.load(Acquire) != SLOT_ACTIVE {
+                continue;
+            }
+            let pid = s.pid.load(Relaxed);
+            if pid == 0 {
+                continue;
+            }
+            let host = s.host_pid.load(Relaxed);
+            out[n] = (if host != 0 { host } else { pid }, pid);
+            n += 1;
+        }
+        n
+    }
+
     pub fn processes(&self) -> Vec<SlotView> {
         let g = self.num_gpus;
         self.slots()
@@ -1289,6 +1312,36 @@ mod tests {
         assert_eq!(r.used(0), 0);
         assert!(r.reserve(me, 0, 1000, 1000));
         assert_eq!(r.processes()[1].api[0], 0);
+    }
+
+    #[test]
+    fn process_pids_are_the_active_slots_with_the_drivers_pid_first() {
+        let (_d, r) = region();
+        let a = r.claim().unwrap();
+        let b = r.claim().unwrap();
+        let mut out = [(0, 0); MAX_PROCS];
+        let own = std::process::id();
+        assert_eq!(r.process_pids(&mut out), 2);
+        assert_eq!(
+            &out[..2],
+            &[(own, own), (own, own)],
+            "no host pid yet: the slot's own"
+        );
+        r.slots()[b.index as usize].host_pid.store(9001, Release);
+        assert_eq!(r.process_pids(&mut out), 2);
+        assert_eq!(
+            out[1],
+            (9001, own),
+            "the host pid the manager recorded, for the driver"
+        );
+        r.unclaim(a);
+        assert_eq!(r.process_pids(&mut out), 1);
+        assert_eq!(out[0], (9001, own));
+        assert_eq!(
+            r.processes().len(),
+            1,
+            "the same slots as processes() shows"
+        );
     }
 
     /// Any process of the container can write the header. Zeroing its slot count once made

@@ -14,13 +14,22 @@
 //!   (NVML reports host pids; the region knows each slot's host pid), reported by their
 //!   container pid, with nvml.h's `*infoCount` protocol.
 //!
+//! - **The lookup cache.** Finding the container's handles by UUID costs the real NVML a
+//!   string search per GPU; memory info and process lists need them on every call. The
+//!   handles of a complete lookup (every GPU found, or absent) are kept ([`GpuCache`]) until
+//!   the caller initialises or shuts NVML down again (`nvmlInit*`, `nvmlShutdown`), the only
+//!   events after which the real NVML may hand out other handles; a lookup with a failed GPU
+//!   (`NVML_ERROR_GPU_IS_LOST`, say) is not kept, so the failure is asked about again.
+//!
 //! Everything else NVML offers passes through untouched.
 
 use std::ffi::{c_char, c_uint, CString};
+use std::mem::MaybeUninit;
+use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use vcuda_contract::config::MAX_GPUS;
-use vcuda_contract::region::SlotView;
+use vcuda_contract::region::MAX_PROCS;
 
 use crate::conv::u32_sat;
 use crate::ffi::*;
@@ -30,6 +39,7 @@ hooks! {
     Nvml fn nvmlInit() -> nvmlReturn_t => init_v1;
     Nvml fn nvmlInit_v2() -> nvmlReturn_t => init_v2;
     Nvml fn nvmlInitWithFlags(flags: c_uint) -> nvmlReturn_t => init_with_flags;
+    Nvml fn nvmlShutdown() -> nvmlReturn_t => shutdown;
     Nvml fn nvmlDeviceGetCount(deviceCount: *mut c_uint) -> nvmlReturn_t => count_v1;
     Nvml fn nvmlDeviceGetCount_v2(deviceCount: *mut c_uint) -> nvmlReturn_t => count_v2;
     Nvml fn nvmlDeviceGetHandleByIndex(index: c_uint, device: *mut nvmlDevice_t) -> nvmlReturn_t => by_index_v1;
@@ -145,11 +155,120 @@ fn uuids(v: &Vcuda) -> &'static [CString] {
     })
 }
 
-/// Look the container's GPUs up in the real NVML now, through the caller's initialisation
-/// (libvcuda's own, `Vcuda::nvml_handle`, is not used: a caller that has not initialised NVML
-/// gets `NVML_ERROR_UNINITIALIZED` as it would without libvcuda — unless libvcuda has
-/// initialised NVML for itself, which a process shares).
+/// The container's GPUs as a complete lookup found them, kept until the caller's NVML is
+/// initialised or shut down again. A seqlock over atomics: readers never wait and take no
+/// lock (a reader that meets a write in progress looks up afresh), one writer at a time
+/// (another gives up keeping its result), and what a reader accepts was written whole under
+/// the current generation, which [`GpuCache::invalidate`] bumps without waiting for anyone
+/// (so a lookup that raced an `nvmlShutdown` is never served after it). A child forked in the
+/// middle of a write finds the sequence odd forever and always looks up afresh: slower, never
+/// wrong.
+pub struct GpuCache {
+    /// Even: stable; odd: a write in progress.
+    seq: AtomicU64,
+    /// Bumped by every `nvmlInit*` and `nvmlShutdown` of the caller.
+    generation: AtomicU64,
+    /// The generation the kept lookup was made under (`u64::MAX`: none kept).
+    kept: AtomicU64,
+    n: AtomicUsize,
+    /// Each config GPU's real handle, 0 for one NVML does not have.
+    handles: [AtomicUsize; MAX_GPUS],
+}
+
+impl Default for GpuCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GpuCache {
+    pub const fn new() -> GpuCache {
+        GpuCache {
+            seq: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            kept: AtomicU64::new(u64::MAX),
+            n: AtomicUsize::new(0),
+            handles: [const { AtomicUsize::new(0) }; MAX_GPUS],
+        }
+    }
+
+    /// The generation a lookup starting now runs under (pass it to [`GpuCache::keep`]).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Forget what is kept: NVML may hand out other handles from now on.
+    pub fn invalidate(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The kept lookup, if there is one of the current generation and no write is in
+    /// progress.
+    pub fn get(&self) -> Option<Gpus> {
+        let s1 = self.seq.load(Ordering::Acquire);
+        if s1 & 1 == 1 {
+            return None;
+        }
+        let kept = self.kept.load(Ordering::Relaxed);
+        let n = self.n.load(Ordering::Relaxed).min(MAX_GPUS);
+        let mut found = [Found::Absent; MAX_GPUS];
+        for (f, h) in found.iter_mut().zip(&self.handles).take(n) {
+            let h = h.load(Ordering::Relaxed);
+            if h != 0 {
+                *f = Found::Handle(h);
+            }
+        }
+        fence(Ordering::Acquire);
+        if self.seq.load(Ordering::Relaxed) != s1 || kept != self.generation() {
+            return None;
+        }
+        Some(Gpus::new(&found[..n]))
+    }
+
+    /// Keep `found`, looked up under `generation`, unless a GPU failed (asked again next
+    /// time) or another write is in progress.
+    pub fn keep(&self, generation: u64, found: &[Found]) {
+        if found.iter().any(|f| matches!(f, Found::Failed(_))) {
+            return;
+        }
+        let s = self.seq.load(Ordering::Relaxed);
+        if s & 1 == 1
+            || self
+                .seq
+                .compare_exchange(s, s + 1, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        fence(Ordering::Release);
+        let n = found.len().min(MAX_GPUS);
+        for (h, f) in self.handles.iter().zip(found).take(n) {
+            h.store(
+                match f {
+                    Found::Handle(h) => *h,
+                    _ => 0,
+                },
+                Ordering::Relaxed,
+            );
+        }
+        self.n.store(n, Ordering::Relaxed);
+        self.kept.store(generation, Ordering::Relaxed);
+        self.seq.store(s + 2, Ordering::Release);
+    }
+}
+
+static CACHE: GpuCache = GpuCache::new();
+
+/// The container's GPUs in the real NVML: the kept lookup ([`GpuCache`]), else a lookup
+/// now, through the caller's initialisation (libvcuda's own, `Vcuda::nvml_handle`, is not
+/// used: a caller that has not initialised NVML gets `NVML_ERROR_UNINITIALIZED` as it would
+/// without libvcuda — unless libvcuda has initialised NVML for itself, which a process
+/// shares).
 fn container_gpus(v: &Vcuda) -> Result<Gpus, nvmlReturn_t> {
+    if let Some(g) = CACHE.get() {
+        return Ok(g);
+    }
+    let generation = CACHE.generation();
     let mut found = [Found::Absent; MAX_GPUS];
     let names = uuids(v);
     let n = names.len().min(MAX_GPUS);
@@ -158,6 +277,7 @@ fn container_gpus(v: &Vcuda) -> Result<Gpus, nvmlReturn_t> {
         let rc = forward!(MISSING, nvmlDeviceGetHandleByUUID(name.as_ptr(), &mut h));
         *f = classify(rc, h)?;
     }
+    CACHE.keep(generation, &found[..n]);
     Ok(Gpus::new(&found[..n]))
 }
 
@@ -174,17 +294,29 @@ macro_rules! state {
 
 unsafe fn init_v1() -> nvmlReturn_t {
     state!();
+    CACHE.invalidate();
     forward!(MISSING, nvmlInit())
 }
 
 unsafe fn init_v2() -> nvmlReturn_t {
     state!();
+    CACHE.invalidate();
     forward!(MISSING, nvmlInit_v2())
 }
 
 unsafe fn init_with_flags(flags: c_uint) -> nvmlReturn_t {
     state!();
+    CACHE.invalidate();
     forward!(MISSING, nvmlInitWithFlags(flags))
+}
+
+/// The handles kept are forgotten before and after: a lookup racing the shutdown is not kept.
+unsafe fn shutdown() -> nvmlReturn_t {
+    state!();
+    CACHE.invalidate();
+    let rc = forward!(MISSING, nvmlShutdown());
+    CACHE.invalidate();
+    rc
 }
 
 // ---- enumeration -------------------------------------------------------------------------
@@ -422,29 +554,22 @@ impl ProcEntry for nvmlProcessInfo_t {
     }
 }
 
-/// (pid the driver reports, pid in the container) of every active process of the container:
-/// the driver's is the host pid the manager recorded, or the slot's own pid until it has.
-pub fn container_pids(slots: &[SlotView]) -> Vec<(u32, u32)> {
-    slots
-        .iter()
-        .filter(|s| s.pid != 0)
-        .map(|s| {
-            let host = if s.host_pid != 0 { s.host_pid } else { s.pid };
-            (host, s.pid)
-        })
-        .collect()
-}
-
-/// The container's entries of a real process list, with container pids.
-pub fn filter_processes<T: ProcEntry>(real: &[T], pids: &[(u32, u32)]) -> Vec<T> {
-    real.iter()
-        .filter_map(|e| {
-            let &(_, mine) = pids.iter().find(|(host, _)| *host == e.pid())?;
-            let mut e = *e;
+/// Keep the container's entries of a real process list, with container pids, moved to the
+/// front of `list` in their order; returns how many. `pids`: (pid the driver reports, pid in
+/// the container) of the container's processes (`Region::process_pids`). In place: NVML's
+/// process lists run it on every call.
+pub fn keep_container_processes<T: ProcEntry>(list: &mut [T], pids: &[(u32, u32)]) -> usize {
+    let mut n = 0;
+    for i in 0..list.len() {
+        let e = list[i];
+        if let Some(&(_, mine)) = pids.iter().find(|(host, _)| *host == e.pid()) {
+            let mut e = e;
             e.set_pid(mine);
-            Some(e)
-        })
-        .collect()
+            list[n] = e;
+            n += 1;
+        }
+    }
+    n
 }
 
 /// What nvml.h's `*infoCount` protocol makes of `needed` entries for a caller offering room
@@ -480,9 +605,37 @@ pub fn fill(needed: usize, cap: usize, infos_null: bool) -> Fill {
 
 type ProcFn<T> = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint, *mut T) -> nvmlReturn_t;
 
+/// Entries read into a buffer on the stack before one on the heap is needed.
+const STACK_ENTRIES: usize = 64;
+
+/// The real list into `buf`, left uninitialised by the caller (zeroing 1.5 KiB on every
+/// call cost more than the rest of the wrapper): `Ok(Some(entries written))`, or `Ok(None)`
+/// when the list holds more than fits.
+fn read_into<T: ProcEntry>(
+    f: ProcFn<T>,
+    device: nvmlDevice_t,
+    buf: &mut [MaybeUninit<T>],
+) -> Result<Option<&mut [T]>, nvmlReturn_t> {
+    let mut n = u32_sat(buf.len());
+    // SAFETY: `buf` has room for `n` entries of the type the real function writes.
+    match unsafe { f(device, &mut n, buf.as_mut_ptr().cast::<T>()) } {
+        NVML_SUCCESS => {
+            let n = (n as usize).min(buf.len());
+            // SAFETY: on success nvml.h's protocol has the function write `*infoCount`
+            // entries from the start of `infos` (at most the room it was given), so the first
+            // `n` are initialised; `T` is a plain C struct of integers.
+            Ok(Some(unsafe {
+                std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<T>(), n)
+            }))
+        }
+        NVML_ERROR_INSUFFICIENT_SIZE => Ok(None),
+        e => Err(e),
+    }
+}
+
 /// The real list, read into our own buffer (grown while the driver says it is too small).
 fn read_real<T: ProcEntry>(f: ProcFn<T>, device: nvmlDevice_t) -> Result<Vec<T>, nvmlReturn_t> {
-    let mut buf = vec![T::default(); 32];
+    let mut buf = vec![T::default(); STACK_ENTRIES * 2];
     for _ in 0..8 {
         let mut n = u32_sat(buf.len());
         // SAFETY: `buf` has room for `n` entries of the type the real function writes.
@@ -523,10 +676,25 @@ unsafe fn processes<T: ProcEntry>(
         // SAFETY: the caller's arguments, unchanged: the real function reports the error.
         return unsafe { f(device, info_count, infos) };
     }
-    let list = match read_real(f, device) {
-        Ok(l) => filter_processes(&l, &container_pids(&v.container_processes())),
+    // Up to STACK_ENTRIES entries (every process on the GPU, the container's or not) are
+    // read and filtered on the stack; only a longer list takes the heap.
+    let mut stack = [const { MaybeUninit::<T>::uninit() }; STACK_ENTRIES];
+    let mut heap: Vec<T>;
+    let list: &mut [T] = match read_into(f, device, &mut stack) {
+        Ok(Some(read)) => read,
+        Ok(None) => match read_real(f, device) {
+            Ok(l) => {
+                heap = l;
+                &mut heap[..]
+            }
+            Err(e) => return e,
+        },
         Err(e) => return e,
     };
+    let mut pids = [(0u32, 0u32); MAX_PROCS];
+    let np = v.container_process_pids(&mut pids);
+    let kept = keep_container_processes(list, &pids[..np]);
+    let list = &list[..kept];
     // SAFETY: non-NULL; nvml.h: the caller sets it to the size of `infos`.
     let cap = unsafe { *info_count } as usize;
     match fill(list.len(), cap, infos.is_null()) {
@@ -575,16 +743,6 @@ process_lists! {
 mod tests {
     use super::*;
 
-    fn slot(pid: u32, host_pid: u32) -> SlotView {
-        SlotView {
-            index: 0,
-            pid,
-            host_pid,
-            api: vec![0],
-            hidden: vec![0],
-        }
-    }
-
     fn v3(pid: u32, mem: u64) -> nvmlProcessInfo_t {
         nvmlProcessInfo_t {
             pid,
@@ -592,6 +750,87 @@ mod tests {
             gpu_instance_id: 0xFFFF_FFFF,
             compute_instance_id: 0xFFFF_FFFF,
         }
+    }
+
+    fn handles(g: &Gpus) -> Vec<Found> {
+        g.found[..g.n].to_vec()
+    }
+
+    #[test]
+    fn the_cache_keeps_a_complete_lookup_until_nvml_is_initialised_or_shut_down() {
+        let c = GpuCache::new();
+        assert!(c.get().is_none(), "nothing kept yet");
+        let found = [Found::Handle(0x10), Found::Absent, Found::Handle(0x30)];
+        let g0 = c.generation();
+        c.keep(g0, &found);
+        assert_eq!(handles(&c.get().unwrap()), found);
+        assert_eq!(c.get().unwrap().count(), 2);
+        c.invalidate();
+        assert!(c.get().is_none(), "an nvmlInit or nvmlShutdown forgets it");
+        // a lookup begun before the invalidation is not served after it
+        c.keep(g0, &found);
+        assert!(c.get().is_none());
+        let g1 = c.generation();
+        c.keep(g1, &found[..1]);
+        assert_eq!(handles(&c.get().unwrap()), [Found::Handle(0x10)]);
+    }
+
+    #[test]
+    fn a_lookup_with_a_failed_gpu_is_not_kept() {
+        let c = GpuCache::new();
+        c.keep(
+            c.generation(),
+            &[Found::Handle(1), Found::Failed(NVML_ERROR_UNKNOWN)],
+        );
+        assert!(c.get().is_none());
+    }
+
+    #[test]
+    fn readers_never_see_a_torn_or_stale_lookup() {
+        // One writer keeps lookups whose handles are all equal to their generation + 1 and
+        // invalidates in between; readers must only ever see all-equal handles of the
+        // current-or-later generation, never a mix.
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        let c = Arc::new(GpuCache::new());
+        let stop = Arc::new(AtomicBool::new(false));
+        let readers: Vec<_> = (0..3)
+            .map(|_| {
+                let (c, stop) = (c.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut seen = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let before = c.generation();
+                        if let Some(g) = c.get() {
+                            let hs = handles(&g);
+                            let Found::Handle(first) = hs[0] else {
+                                panic!("{hs:?}")
+                            };
+                            assert!(
+                                hs.iter().all(|h| *h == Found::Handle(first)),
+                                "torn: {hs:?}"
+                            );
+                            assert!(first as u64 > before, "stale: {first} under {before}");
+                            seen += 1;
+                        }
+                    }
+                    seen
+                })
+            })
+            .collect();
+        for _ in 0..5_000 {
+            let g = c.generation();
+            let h = usize::try_from(g + 1).unwrap();
+            c.keep(g, &[Found::Handle(h); MAX_GPUS]);
+            std::thread::yield_now();
+            c.invalidate();
+        }
+        stop.store(true, Ordering::Relaxed);
+        let seen: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
+        assert!(
+            seen > 0,
+            "the readers saw nothing kept: the test tested nothing"
+        );
     }
 
     #[test]
@@ -617,10 +856,11 @@ mod tests {
     #[test]
     fn processes_are_the_containers_with_container_pids() {
         // slot 1: the manager told us host pid 9001; slot 2: standalone, pid is the host's
-        let pids = container_pids(&[slot(17, 9001), slot(4242, 0), slot(0, 0)]);
-        assert_eq!(pids, vec![(9001, 17), (4242, 4242)]);
-        let real = [v3(9001, 100), v3(17, 200), v3(5555, 300), v3(4242, 400)];
-        let mine = filter_processes(&real, &pids);
+        // (Region::process_pids, tested in vcuda-contract, makes these pairs)
+        let pids = [(9001, 17), (4242, 4242)];
+        let mut real = [v3(9001, 100), v3(17, 200), v3(5555, 300), v3(4242, 400)];
+        let n = keep_container_processes(&mut real, &pids);
+        let mine = &real[..n];
         assert_eq!(
             mine.iter()
                 .map(|e| (e.pid, e.used_gpu_memory, e.gpu_instance_id))
@@ -628,7 +868,7 @@ mod tests {
             vec![(17, 100, 0xFFFF_FFFF), (4242, 400, 0xFFFF_FFFF)],
             "host pid 17 is another container's process, not our pid 17"
         );
-        let v1 = [
+        let mut v1 = [
             nvmlProcessInfo_v1_t {
                 pid: 1,
                 used_gpu_memory: 5,
@@ -638,9 +878,10 @@ mod tests {
                 used_gpu_memory: 6,
             },
         ];
-        let m1 = filter_processes(&v1, &pids);
-        assert_eq!((m1.len(), m1[0].pid, m1[0].used_gpu_memory), (1, 17, 6));
-        assert!(filter_processes(&real, &[]).is_empty());
+        let n1 = keep_container_processes(&mut v1, &pids);
+        assert_eq!((n1, v1[0].pid, v1[0].used_gpu_memory), (1, 17, 6));
+        let mut real = [v3(9001, 100), v3(17, 200)];
+        assert_eq!(keep_container_processes(&mut real, &[]), 0);
     }
 
     #[test]

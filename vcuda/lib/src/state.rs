@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use vcuda_contract::config::{format_uuid, ContainerConfig};
-use vcuda_contract::region::{Region, SlotId, SlotView};
+use vcuda_contract::region::{Region, SlotId, SlotView, MAX_PROCS};
 use vcuda_limiter as lim;
 
 use crate::buckets::Limiter;
@@ -349,6 +349,12 @@ impl Vcuda {
     /// The container's processes, as the region lists them.
     pub fn container_processes(&self) -> Vec<SlotView> {
         self.region.processes()
+    }
+
+    /// (driver's pid, container pid) of the container's active processes, into `out`;
+    /// how many (no allocation).
+    pub fn container_process_pids(&self, out: &mut [(u32, u32); MAX_PROCS]) -> usize {
+        self.region.process_pids(out)
     }
 
     /// Reclaim the slots of dead processes; returns how many.
