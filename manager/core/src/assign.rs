@@ -900,7 +900,10 @@ mod tests {
             matches!(&e, AssignError::GpuCount { value, .. } if value == "0"),
             "{e:?}"
         );
-        assert!(e.to_string().contains("is not a number from 1 to 16"), "{e}");
+        assert!(
+            e.to_string().contains("is not a number from 1 to 16"),
+            "{e}"
+        );
         let e = f.assignment.unwrap().unwrap_err();
         assert!(matches!(e, AssignError::Unreadable { .. }), "{e:?}");
         assert!(
