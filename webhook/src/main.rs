@@ -67,8 +67,9 @@ struct Args {
     /// Kubeconfig for --api auto outside a cluster (default: in-cluster, then KUBECONFIG).
     #[arg(long, value_name = "FILE")]
     kubeconfig: Option<PathBuf>,
-    /// How often Nodes are listed; a list older than three of these counts as unknown.
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    /// How often Nodes are listed (from the API server's cache; each list is every Node of
+    /// the cluster); a list older than three of these counts as unknown.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
     node_poll: Duration,
     /// Most connections served at once (the longest-idle one makes room beyond); each may
     /// hold a request body of up to 3 MiB, so this bounds the memory a flood can take.

@@ -197,13 +197,17 @@ pub async fn follow_vm_pods(shared: Arc<Shared>, path: PathBuf, every: Duration)
     }
 }
 
-/// List Nodes every `every`, keeping the vGPU resources in their capacity.
+/// List Nodes every `every`, keeping the vGPU resources in their capacity. The list is served
+/// from the API server's cache; each is every Node of the cluster, so the poll is slow
+/// (30 s by default): vGPU types appear and go with nodes, not with pods.
 pub async fn follow_nodes(shared: Arc<Shared>, client: kube::Client, every: Duration) {
     let api: Api<Node> = Api::all(client);
     let mut failing = false;
     loop {
         let patterns = shared.vm().patterns.clone();
-        match api.list(&ListParams::default()).await {
+        // resourceVersion "0": served from the API server's watch cache, not read through
+        // from etcd (any recent list will do for "which vGPU types exist")
+        match api.list(&ListParams::default().match_any()).await {
             Ok(list) => {
                 let set: BTreeSet<String> = list
                     .items

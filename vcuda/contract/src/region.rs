@@ -1358,6 +1358,10 @@ mod tests {
         assert!(!r.reserve(a, 0, 200, 1000));
         let fresh = Region::open_or_create(&d.path().join("region"), &[U0, U1]).unwrap();
         assert_eq!(fresh.used(0), 900);
+        // nor from the NVML process lists (Region::process_pids reads the same bound)
+        let mut out = [(0, 0); MAX_PROCS];
+        assert_eq!(r.process_pids(&mut out), 2);
+        assert_eq!(fresh.process_pids(&mut out), 2);
     }
 
     #[test]
