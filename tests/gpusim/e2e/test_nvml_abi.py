@@ -2,10 +2,14 @@
 the header's parameter list.
 
 The Rust side is read from tests/gpusim/nvml/src (the `fn name(args)` lines inside its
-`nvml_api!` blocks), the C side from nvml.h run through the C preprocessor. Rust parameter
-types map to C mechanically: `Out<T>`/`Buf<T>` are `T *`, `CharBuf` is `char *`, `CStrIn`
-is `const char *`, `c_uint` is `unsigned int`, and nvml.h typedef names are spelled alike.
-Struct layouts are checked by the crate's own unit tests (`cargo test -p gpusim-nvml`).
+`nvml_api!` blocks, the generated unsupported.rs included), the C side from nvml.h run through
+the C preprocessor: both headers the library answers, NVML API 12 (nvidia-nvml-dev-cu12) and
+API 13 (the CUDA 13 wheels), which must agree on every function both declare. Rust parameter
+types map to C mechanically: `Out<T>`/`Buf<T>` are `T *`, `In<T>` is `const T *`, `CharBuf`
+is `char *`, `CStrIn` is `const char *`, `c_uint` is `unsigned int`, and nvml.h typedef names
+(structs the library never reads included, declared as opaque Rust types of the same name)
+are spelled alike. Struct layouts are checked by the crate's own unit tests
+(`cargo test -p gpusim-nvml`).
 """
 
 import pathlib
@@ -35,6 +39,9 @@ def rust_type_to_c(t):
     m = re.fullmatch(r"(Out|Buf)<(.+)>", t)
     if m:
         return rust_type_to_c(m.group(2)) + " *"
+    m = re.fullmatch(r"In<(.+)>", t)
+    if m:
+        return "const " + rust_type_to_c(m.group(1)) + " *"
     if t == "CharBuf":
         return "char *"
     if t == "CStrIn":
@@ -55,9 +62,7 @@ def c_param(p):
     return (re.sub(r"\s*\*", " *", ty).strip(), name)
 
 
-@pytest.fixture(scope="module")
-def header():
-    h = nvml_include_dir() / "nvml.h"
+def header_decls(h):
     # NVML_NO_UNVERSIONED_FUNC_DEFS declares both the plain and the versioned names
     pp = subprocess.run(
         ["gcc", "-E", "-P", "-DNVML_NO_UNVERSIONED_FUNC_DEFS", str(h)], capture_output=True, text=True, check=True
@@ -68,6 +73,23 @@ def header():
         params = params.strip()
         decls[name] = [] if params in ("", "void") else [c_param(p) for p in params.split(",")]
     assert len(decls) > 350
+    return decls
+
+
+@pytest.fixture(scope="module")
+def headers():
+    """{NVML API version: declarations} of the API 12 and API 13 nvml.h."""
+    h13 = sorted(ROOT.glob(".venv/lib/python*/site-packages/nvidia/cu13/include/nvml.h"))
+    assert h13, "nvidia/cu13/include/nvml.h not in .venv: run scripts/setup-test-deps"
+    return {12: header_decls(nvml_include_dir() / "nvml.h"), 13: header_decls(h13[0])}
+
+
+@pytest.fixture(scope="module")
+def header(headers):
+    """Both headers' declarations together; a function both declare has one parameter list."""
+    decls = dict(headers[12])
+    for name, params in headers[13].items():
+        assert decls.setdefault(name, params) == params, f"{name}: API 12 {decls[name]} != API 13 {params}"
     return decls
 
 
@@ -106,7 +128,8 @@ def test_nvml_library_exports_only_what_was_checked(header, rust):
     exported = {line.split()[-1] for line in nm.stdout.splitlines() if " T " in line}
     nvml = {s for s in exported if s.startswith("nvml")}
     assert nvml == set(rust) | {"nvmlErrorString"}
-    assert nvml <= set(header)
+    # every function of either header, and nothing else (issue 22)
+    assert nvml == set(header), (sorted(set(header) - nvml)[:10], sorted(nvml - set(header))[:10])
     # versioned and unversioned names the tools and nvml.h's macros use are both present
     for base, versions in {
         "nvmlInit": ["_v2"],

@@ -1,6 +1,6 @@
 //! Devices: enumeration and lookup, identity (name, UUID, PCI, serial, brand, architecture),
-//! memory, running processes, fixed modes (compute, persistence, display, ECC) and MIG (not
-//! simulated: every GPU reports MIG as unsupported).
+//! memory, running processes and fixed modes (compute, persistence, display, ECC). MIG is in
+//! [`crate::mig`].
 
 use std::ffi::{c_char, c_int, c_uint};
 
@@ -320,45 +320,6 @@ nvml_api! {
 
     /// No confidential computing.
     fn nvmlDeviceGetConfComputeMemSizeInfo(device: nvmlDevice_t, _memInfo: Out<nvmlConfComputeMemSizeInfo_t>) {
-        dev(device)?;
-        Err(NVML_ERROR_NOT_SUPPORTED)
-    }
-
-    // ---- MIG (not simulated) -----------------------------------------------------------
-
-    fn nvmlDeviceGetMigMode(device: nvmlDevice_t, _currentMode: Out<c_uint>, _pendingMode: Out<c_uint>) {
-        dev(device)?;
-        Err(NVML_ERROR_NOT_SUPPORTED)
-    }
-
-    fn nvmlDeviceIsMigDeviceHandle(device: nvmlDevice_t, isMigDevice: Out<c_uint>) {
-        dev(device)?;
-        isMigDevice.write(0)
-    }
-
-    /// "Returns zero if MIG is not supported or enabled."
-    fn nvmlDeviceGetMaxMigDeviceCount(device: nvmlDevice_t, count: Out<c_uint>) {
-        dev(device)?;
-        count.write(0)
-    }
-
-    fn nvmlDeviceGetMigDeviceHandleByIndex(device: nvmlDevice_t, _index: c_uint, _migDevice: Out<nvmlDevice_t>) {
-        dev(device)?;
-        Err(NVML_ERROR_NOT_SUPPORTED)
-    }
-
-    /// No handle gpusim gives out is a MIG device handle.
-    fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migDevice: nvmlDevice_t, _device: Out<nvmlDevice_t>) {
-        dev(migDevice)?;
-        Err(NVML_ERROR_INVALID_ARGUMENT)
-    }
-
-    fn nvmlDeviceGetGpuInstanceId(device: nvmlDevice_t, _id: Out<c_uint>) {
-        dev(device)?;
-        Err(NVML_ERROR_NOT_SUPPORTED)
-    }
-
-    fn nvmlDeviceGetComputeInstanceId(device: nvmlDevice_t, _id: Out<c_uint>) {
         dev(device)?;
         Err(NVML_ERROR_NOT_SUPPORTED)
     }

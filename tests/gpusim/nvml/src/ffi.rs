@@ -27,6 +27,15 @@ impl<T> Out<T> {
     pub fn from_mut(v: &mut T) -> Out<T> {
         Out(v)
     }
+
+    /// NULL (for tests of the argument checks).
+    pub fn null() -> Out<T> {
+        Out(std::ptr::null_mut())
+    }
+
+    pub fn is_null(self) -> bool {
+        self.0.is_null()
+    }
 }
 
 impl<T: Copy> Out<T> {
@@ -48,10 +57,6 @@ impl<T: Copy> Out<T> {
         }
         // SAFETY: as in `write`; in/out parameters are initialised by the caller.
         Ok(unsafe { self.0.read() })
-    }
-
-    pub fn is_null(self) -> bool {
-        self.0.is_null()
     }
 }
 
@@ -76,6 +81,24 @@ pub unsafe trait Versioned {}
 
 // SAFETY: `#[repr(C)]` with `version: c_uint` first (see types.rs).
 unsafe impl Versioned for nvmlMemory_v2_t {}
+
+/// `const T *` for a value the caller passes in. Only the generated stubs (unsupported.rs) take
+/// one, and they never read it.
+#[repr(transparent)]
+pub struct In<T>(*const T);
+
+impl<T> Clone for In<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for In<T> {}
+
+impl<T> In<T> {
+    pub fn is_null(self) -> bool {
+        self.0.is_null()
+    }
+}
 
 /// `T *` for an array whose length the caller gives in another parameter (or struct field).
 #[repr(transparent)]
