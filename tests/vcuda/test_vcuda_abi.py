@@ -106,6 +106,7 @@ ABSENT = {
     "cuda12.9+nvml12": {
         "cuCtxSynchronize_v2": "added in CUDA 13.0 (cudaTypedefs.h: PFN_cuCtxSynchronize_v13000)",
         "cuGraphAddNode_v3": "added in CUDA 13.4 (cudaTypedefs.h: PFN_cuGraphAddNode_v13040)",
+        "nvmlDeviceGetAccountingStats_v2": "added in NVML 13 (nvml.h API 13: nvmlAccountingStats_v2_t)",
     },
     "cuda13+nvml13": {},
 }
@@ -980,7 +981,9 @@ def test_exports_match_header_signatures(header_set, exported_fns, types, pinned
 @pytest.mark.parametrize("header_set", list(HEADER_SETS))
 def test_struct_layouts_match_headers(header_set, exported_fns, types, pinned, tmp_path):
     used = set()
-    for rf in exported_fns.values():
+    for name, rf in exported_fns.items():
+        if name in ABSENT.get(header_set, {}):
+            continue  # not in these headers: neither are the structs only it uses
         for t in [rf.ret, *(t for _, t, _ in rf.params)]:
             structs_used(t, types, used)
     problems, notes, version = check(header_set, {}, types, pinned, tmp_path, structs=used)

@@ -224,6 +224,59 @@ def test_the_kept_handles_follow_the_callers_nvml_shutdown_and_init(setup):
     assert r["again"] == [gpus[1]["uuid"], QUOTA_MIB * MiB, 1]
 
 
+PROC_UTIL = PRELUDE + textwrap.dedent(
+    """
+    # per-process utilization samples, both forms, and the accounting lists
+    N.nvmlInit()
+    h = N.nvmlDeviceGetHandleByIndex(0)
+    r = {}
+    try:
+        r["v1"] = sorted({s.pid for s in N.nvmlDeviceGetProcessUtilization(h, 0)})
+    except N.NVMLError as e:
+        r["v1"] = e.value
+    try:
+        r["info"] = sorted({s.pid for s in N.nvmlDeviceGetProcessesUtilizationInfo(h, 0)})
+    except N.NVMLError as e:
+        r["info"] = e.value
+    r["accounting"] = err(N.nvmlDeviceGetAccountingPids, h)
+    out(r)
+    """
+)
+
+
+def run_kernels(runner, workload, *extra):
+    """A workload that runs 300 spin_1ms kernels and then waits: returns once they ran."""
+    p = runner.popen([workload, "--kernel", "spin_1ms", "--count", "300", "--hold-mib", "16", "--wait", *extra])
+    assert p.stdout.readline().startswith("ready pid="), p.stderr.read()
+    for line in p.stdout:
+        if line.startswith("kernels="):
+            return p
+    raise AssertionError(p.stderr.read())
+
+
+def test_per_process_utilization_shows_only_the_containers_processes(setup, workload):
+    # Without the filter a tenant read every other container's host pids, and how busy each
+    # was, from nvmlDeviceGetProcessUtilization (issue 22, found on the way).
+    sim, container, gpus = setup
+    outsider = run_kernels(sim, workload, "--dev", "1")  # same GPU, not in the container
+    try:
+        r = json.loads(container.python(PROC_UTIL).stdout.strip().splitlines()[-1])
+        assert r["v1"] == NOT_FOUND and r["info"] == NOT_FOUND, r  # none of its own ran
+        assert r["accounting"] == 3, r  # gpusim: accounting off, NOT_SUPPORTED passes through
+        real = json.loads(sim.python(PROC_UTIL.replace("ByIndex(0)", "ByIndex(1)")).stdout.strip().splitlines()[-1])
+        assert real["v1"] == [outsider.pid] and real["info"] == [outsider.pid], real
+        mine = run_kernels(container, workload)
+        try:
+            r = json.loads(container.python(PROC_UTIL).stdout.strip().splitlines()[-1])
+            assert r["v1"] == [mine.pid] and r["info"] == [mine.pid], r
+            real = json.loads(sim.python(PROC_UTIL.replace("ByIndex(0)", "ByIndex(1)")).stdout.strip().splitlines()[-1])
+            assert real["v1"] == sorted([outsider.pid, mine.pid]), real
+        finally:
+            stop(mine)
+    finally:
+        stop(outsider)
+
+
 def test_nvml_lists_and_counts_only_the_containers_processes(setup, workload):
     sim, container, gpus = setup
     outsider = hold(sim, workload, 256, "--dev", "1")  # same GPU, not in the container

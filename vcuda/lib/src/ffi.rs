@@ -45,6 +45,10 @@ pub const NVML_ERROR_NOT_SUPPORTED: nvmlReturn_t = 3;
 pub const NVML_ERROR_NO_PERMISSION: nvmlReturn_t = 4;
 pub const NVML_ERROR_NOT_FOUND: nvmlReturn_t = 6;
 pub const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
+pub const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: nvmlReturn_t = 25;
+/// `nvmlProcessesUtilizationInfo_v1`: NVML_STRUCT_VERSION(ProcessesUtilizationInfo, 1), the
+/// struct's size (24 bytes, pinned by a test) with the version in the top byte.
+pub const NVML_PROCESSES_UTILIZATION_INFO_V1: u32 = 24 | (1 << 24);
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const NVML_ERROR_FUNCTION_NOT_FOUND: nvmlReturn_t = 13;
 pub const NVML_ERROR_UNKNOWN: nvmlReturn_t = 999;
@@ -132,6 +136,33 @@ pub struct nvmlProcessUtilizationSample_t {
     pub encUtil: u32,
     pub decUtil: u32,
 }
+
+/// `nvmlProcessUtilizationInfo_v1_t`: one process's utilization sample, versioned form.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct nvmlProcessUtilizationInfo_v1_t {
+    pub timeStamp: u64,
+    pub pid: u32,
+    pub smUtil: u32,
+    pub memUtil: u32,
+    pub encUtil: u32,
+    pub decUtil: u32,
+    pub jpgUtil: u32,
+    pub ofaUtil: u32,
+}
+
+/// `nvmlProcessesUtilizationInfo_t` (v1): the caller's array and the protocol's counts.
+#[repr(C)]
+pub struct nvmlProcessesUtilizationInfo_v1_t {
+    pub version: u32,
+    pub processSamplesCount: u32,
+    pub lastSeenTimeStamp: u64,
+    pub procUtilArray: *mut nvmlProcessUtilizationInfo_v1_t,
+}
+pub type nvmlProcessesUtilizationInfo_t = nvmlProcessesUtilizationInfo_v1_t;
+
+/// `nvmlAccountingStats_t`: passed through untouched, never read here.
+pub type nvmlAccountingStats_t = c_void;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -314,6 +345,9 @@ mod tests {
         assert_eq!(size_of::<nvmlMemory_v2_t>(), 40);
         assert_eq!(size_of::<nvmlProcessInfo_v1_t>(), 16);
         assert_eq!(size_of::<nvmlProcessInfo_t>(), 24);
+        assert_eq!(size_of::<nvmlProcessUtilizationInfo_v1_t>(), 40);
+        assert_eq!(size_of::<nvmlProcessesUtilizationInfo_v1_t>(), 24);
+        assert_eq!(NVML_PROCESSES_UTILIZATION_INFO_V1, 0x0100_0018);
         assert_eq!(size_of::<CUlaunchConfig>(), 56);
         assert_eq!(offset_of!(CUlaunchConfig, hStream), 32);
         assert_eq!(size_of::<CUDA_LAUNCH_PARAMS>(), 56);

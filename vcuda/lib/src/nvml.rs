@@ -12,7 +12,10 @@
 //!   (the shared region), free = total − used, never below zero; v2's `reserved` is 0.
 //! - **Processes.** Every `nvmlDevice*RunningProcesses*` keeps only the container's processes
 //!   (NVML reports host pids; the region knows each slot's host pid), reported by their
-//!   container pid, with nvml.h's `*infoCount` protocol.
+//!   container pid, with nvml.h's `*infoCount` protocol; so do the per-process utilization
+//!   samples (`nvmlDeviceGetProcessUtilization`, `nvmlDeviceGetProcessesUtilizationInfo`) and
+//!   the accounting lists (`nvmlDeviceGetAccountingPids`; `nvmlDeviceGetAccountingStats`
+//!   answers only the container's pids).
 //!
 //! - **The lookup cache.** Finding the container's handles by UUID costs the real NVML a
 //!   string search per GPU; memory info and process lists need them on every call. The
@@ -60,6 +63,11 @@ hooks! {
     Nvml fn nvmlDeviceGetMPSComputeRunningProcesses(device: nvmlDevice_t, infoCount: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) -> nvmlReturn_t => mps_v1;
     Nvml fn nvmlDeviceGetMPSComputeRunningProcesses_v2(device: nvmlDevice_t, infoCount: *mut c_uint, infos: *mut nvmlProcessInfo_t) -> nvmlReturn_t => mps_v2;
     Nvml fn nvmlDeviceGetMPSComputeRunningProcesses_v3(device: nvmlDevice_t, infoCount: *mut c_uint, infos: *mut nvmlProcessInfo_t) -> nvmlReturn_t => mps_v3;
+    Nvml fn nvmlDeviceGetProcessUtilization(device: nvmlDevice_t, utilization: *mut nvmlProcessUtilizationSample_t, processSamplesCount: *mut c_uint, lastSeenTimeStamp: u64) -> nvmlReturn_t => process_utilization;
+    Nvml fn nvmlDeviceGetProcessesUtilizationInfo(device: nvmlDevice_t, procesesUtilInfo: *mut nvmlProcessesUtilizationInfo_t) -> nvmlReturn_t => processes_utilization;
+    Nvml fn nvmlDeviceGetAccountingPids(device: nvmlDevice_t, count: *mut c_uint, pids: *mut c_uint) -> nvmlReturn_t => accounting_pids;
+    Nvml fn nvmlDeviceGetAccountingStats(device: nvmlDevice_t, pid: c_uint, stats: *mut nvmlAccountingStats_t) -> nvmlReturn_t => accounting_stats;
+    Nvml fn nvmlDeviceGetAccountingStats_v2(device: nvmlDevice_t, stats: *mut nvmlAccountingStats_v2_t) -> nvmlReturn_t => accounting_stats_v2;
 }
 
 /// What a wrapper returns when the real NVML lacks the function.
@@ -608,52 +616,83 @@ type ProcFn<T> = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint, *mut T) -> nvml
 /// Entries read into a buffer on the stack before one on the heap is needed.
 const STACK_ENTRIES: usize = 64;
 
-/// The real list into `buf`, left uninitialised by the caller (zeroing 1.5 KiB on every
-/// call cost more than the rest of the wrapper): `Ok(Some(entries written))`, or `Ok(None)`
-/// when the list holds more than fits.
-fn read_into<T: ProcEntry>(
-    f: ProcFn<T>,
-    device: nvmlDevice_t,
-    buf: &mut [MaybeUninit<T>],
-) -> Result<Option<&mut [T]>, nvmlReturn_t> {
-    let mut n = u32_sat(buf.len());
-    // SAFETY: `buf` has room for `n` entries of the type the real function writes.
-    match unsafe { f(device, &mut n, buf.as_mut_ptr().cast::<T>()) } {
+/// A real list read by nvml.h's count protocol: `call(buffer, &mut count)` is the real
+/// function with room for `count` entries. Up to [`STACK_ENTRIES`] entries land in `stack`,
+/// left uninitialised by the caller (zeroing 1.5 KiB on every call cost more than the rest of
+/// the wrapper); a longer list is read again into `heap`, grown while the driver says it is
+/// too small.
+fn read_list<'a, T: ProcEntry>(
+    stack: &'a mut [MaybeUninit<T>; STACK_ENTRIES],
+    heap: &'a mut Vec<T>,
+    mut call: impl FnMut(*mut T, &mut c_uint) -> nvmlReturn_t,
+) -> Result<&'a mut [T], nvmlReturn_t> {
+    let mut n = u32_sat(STACK_ENTRIES);
+    match call(stack.as_mut_ptr().cast::<T>(), &mut n) {
         NVML_SUCCESS => {
-            let n = (n as usize).min(buf.len());
-            // SAFETY: on success nvml.h's protocol has the function write `*infoCount`
-            // entries from the start of `infos` (at most the room it was given), so the first
-            // `n` are initialised; `T` is a plain C struct of integers.
-            Ok(Some(unsafe {
-                std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<T>(), n)
-            }))
+            let n = (n as usize).min(STACK_ENTRIES);
+            // SAFETY: on success nvml.h's protocol has the function write `*count` entries
+            // from the start of the buffer (at most the room it was given), so the first `n`
+            // are initialised; `T` is a plain C struct of integers.
+            return Ok(unsafe {
+                std::slice::from_raw_parts_mut(stack.as_mut_ptr().cast::<T>(), n)
+            });
         }
-        NVML_ERROR_INSUFFICIENT_SIZE => Ok(None),
-        e => Err(e),
+        NVML_ERROR_INSUFFICIENT_SIZE => {}
+        e => return Err(e),
     }
-}
-
-/// The real list, read into our own buffer (grown while the driver says it is too small).
-fn read_real<T: ProcEntry>(f: ProcFn<T>, device: nvmlDevice_t) -> Result<Vec<T>, nvmlReturn_t> {
-    let mut buf = vec![T::default(); STACK_ENTRIES * 2];
+    heap.resize(
+        (n as usize).max(STACK_ENTRIES).saturating_mul(2),
+        T::default(),
+    );
     for _ in 0..8 {
-        let mut n = u32_sat(buf.len());
-        // SAFETY: `buf` has room for `n` entries of the type the real function writes.
-        let rc = unsafe { f(device, &mut n, buf.as_mut_ptr()) };
-        match rc {
+        let mut n = u32_sat(heap.len());
+        match call(heap.as_mut_ptr(), &mut n) {
             NVML_SUCCESS => {
-                buf.truncate(n as usize);
-                return Ok(buf);
+                heap.truncate(n as usize);
+                return Ok(&mut heap[..]);
             }
             NVML_ERROR_INSUFFICIENT_SIZE => {
-                let want = (n as usize).max(buf.len()).saturating_mul(2);
-                buf.resize(want, T::default());
+                let want = (n as usize).max(heap.len()).saturating_mul(2);
+                heap.resize(want, T::default());
             }
             e => return Err(e),
         }
     }
     // The list kept growing faster than we could read it.
     Err(NVML_ERROR_UNKNOWN)
+}
+
+/// The container's entries of a real list, with container pids, moved to its front.
+fn keep_mine<'l, T: ProcEntry>(v: &Vcuda, list: &'l mut [T]) -> &'l [T] {
+    let mut pids = [(0u32, 0u32); MAX_PROCS];
+    let np = v.container_process_pids(&mut pids);
+    let kept = keep_container_processes(list, &pids[..np]);
+    &list[..kept]
+}
+
+/// Copy `kept` to the caller's `out` (room for `*count` entries) and set `*count`, by the
+/// protocol of the utilization and accounting lists: `out` NULL or too small:
+/// `NVML_ERROR_INSUFFICIENT_SIZE` with the count needed.
+///
+/// # Safety
+/// `count` non-NULL; `out` NULL or with room for `*count` entries.
+unsafe fn answer_list<T: Copy>(kept: &[T], count: *mut c_uint, out: *mut T) -> nvmlReturn_t {
+    // SAFETY: the caller's contract.
+    let cap = unsafe { *count } as usize;
+    // SAFETY: as above.
+    unsafe { *count = u32_sat(kept.len()) };
+    if out.is_null() || kept.len() > cap {
+        return if kept.is_empty() {
+            NVML_SUCCESS
+        } else {
+            NVML_ERROR_INSUFFICIENT_SIZE
+        };
+    }
+    if !kept.is_empty() {
+        // SAFETY: room for `cap` >= kept.len() entries; our buffer cannot overlap it.
+        unsafe { std::ptr::copy_nonoverlapping(kept.as_ptr(), out, kept.len()) };
+    }
+    NVML_SUCCESS
 }
 
 /// Any `nvmlDevice*RunningProcesses*`: the real list, filtered to the container's processes
@@ -679,22 +718,13 @@ unsafe fn processes<T: ProcEntry>(
     // Up to STACK_ENTRIES entries (every process on the GPU, the container's or not) are
     // read and filtered on the stack; only a longer list takes the heap.
     let mut stack = [const { MaybeUninit::<T>::uninit() }; STACK_ENTRIES];
-    let mut heap: Vec<T>;
-    let list: &mut [T] = match read_into(f, device, &mut stack) {
-        Ok(Some(read)) => read,
-        Ok(None) => match read_real(f, device) {
-            Ok(l) => {
-                heap = l;
-                &mut heap[..]
-            }
-            Err(e) => return e,
-        },
+    let mut heap = Vec::new();
+    // SAFETY: a buffer with room for `n` entries of the type the real function writes.
+    let read = read_list(&mut stack, &mut heap, |buf, n| unsafe { f(device, n, buf) });
+    let list = match read {
+        Ok(l) => keep_mine(v, l),
         Err(e) => return e,
     };
-    let mut pids = [(0u32, 0u32); MAX_PROCS];
-    let np = v.container_process_pids(&mut pids);
-    let kept = keep_container_processes(list, &pids[..np]);
-    let list = &list[..kept];
     // SAFETY: non-NULL; nvml.h: the caller sets it to the size of `infos`.
     let cap = unsafe { *info_count } as usize;
     match fill(list.len(), cap, infos.is_null()) {
@@ -737,6 +767,207 @@ process_lists! {
     mps_v1 => nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t;
     mps_v2 => nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_t;
     mps_v3 => nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t;
+}
+
+// ---- per-process utilization and accounting ---------------------------------------------
+//
+// Lists of other processes by pid: without a filter a tenant read every other container's
+// host pids (and how busy each is) on its GPU. Filtered like the process lists: only the
+// container's processes, by their container pids; none of its own is "no samples".
+
+impl ProcEntry for nvmlProcessUtilizationSample_t {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+    fn set_pid(&mut self, pid: u32) {
+        self.pid = pid;
+    }
+}
+
+impl ProcEntry for nvmlProcessUtilizationInfo_v1_t {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+    fn set_pid(&mut self, pid: u32) {
+        self.pid = pid;
+    }
+}
+
+/// An accounting pid list entry.
+impl ProcEntry for c_uint {
+    fn pid(&self) -> u32 {
+        *self
+    }
+    fn set_pid(&mut self, pid: u32) {
+        *self = pid;
+    }
+}
+
+unsafe fn process_utilization(
+    device: nvmlDevice_t,
+    utilization: *mut nvmlProcessUtilizationSample_t,
+    count: *mut c_uint,
+    last_seen: u64,
+) -> nvmlReturn_t {
+    let v = state!();
+    let Some(f) = real().nvmlDeviceGetProcessUtilization else {
+        return MISSING;
+    };
+    if count.is_null() {
+        // SAFETY: the caller's arguments, unchanged: the real function reports the error.
+        return unsafe { f(device, utilization, count, last_seen) };
+    }
+    let mut stack = [const { MaybeUninit::uninit() }; STACK_ENTRIES];
+    let mut heap = Vec::new();
+    // SAFETY: a buffer with room for `n` samples.
+    let read = read_list(&mut stack, &mut heap, |buf, n| unsafe {
+        f(device, buf, n, last_seen)
+    });
+    let kept = match read {
+        Ok(l) => keep_mine(v, l),
+        Err(e) => return e,
+    };
+    if kept.is_empty() {
+        return NVML_ERROR_NOT_FOUND;
+    }
+    // SAFETY: `count` non-NULL; nvml.h: `utilization` NULL or room for `*count` samples.
+    unsafe { answer_list(kept, count, utilization) }
+}
+
+unsafe fn processes_utilization(
+    device: nvmlDevice_t,
+    info: *mut nvmlProcessesUtilizationInfo_t,
+) -> nvmlReturn_t {
+    let v = state!();
+    let Some(f) = real().nvmlDeviceGetProcessesUtilizationInfo else {
+        return MISSING;
+    };
+    // SAFETY: NULL-checked; the caller's struct as nvml.h documents it.
+    let Some(info) = (unsafe { info.as_mut() }) else {
+        // SAFETY: the caller's arguments, unchanged: the real function reports the error.
+        return unsafe { f(device, info) };
+    };
+    if info.version != NVML_PROCESSES_UTILIZATION_INFO_V1 {
+        // SAFETY: as above: the real function answers a version it may know and we do not.
+        return unsafe { f(device, info) };
+    }
+    let last_seen = info.lastSeenTimeStamp;
+    let mut stack = [const { MaybeUninit::uninit() }; STACK_ENTRIES];
+    let mut heap = Vec::new();
+    let read = read_list(&mut stack, &mut heap, |buf, n| {
+        let mut ours = nvmlProcessesUtilizationInfo_v1_t {
+            version: NVML_PROCESSES_UTILIZATION_INFO_V1,
+            processSamplesCount: *n,
+            lastSeenTimeStamp: last_seen,
+            procUtilArray: buf,
+        };
+        // SAFETY: our own struct, its array with room for `processSamplesCount` entries.
+        let rc = unsafe { f(device, &mut ours) };
+        *n = ours.processSamplesCount;
+        rc
+    });
+    let kept = match read {
+        Ok(l) => keep_mine(v, l),
+        Err(e) => return e,
+    };
+    if kept.is_empty() {
+        return NVML_ERROR_NOT_FOUND;
+    }
+    // SAFETY: the count is the caller's struct's field; nvml.h: `procUtilArray` NULL or with
+    // room for `processSamplesCount` entries.
+    unsafe { answer_list(kept, &mut info.processSamplesCount, info.procUtilArray) }
+}
+
+unsafe fn accounting_pids(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    pids: *mut c_uint,
+) -> nvmlReturn_t {
+    let v = state!();
+    let Some(f) = real().nvmlDeviceGetAccountingPids else {
+        return MISSING;
+    };
+    if count.is_null() {
+        // SAFETY: the caller's arguments, unchanged: the real function reports the error.
+        return unsafe { f(device, count, pids) };
+    }
+    let mut stack = [const { MaybeUninit::uninit() }; STACK_ENTRIES];
+    let mut heap = Vec::new();
+    // SAFETY: a buffer with room for `n` pids.
+    let read = read_list(&mut stack, &mut heap, |buf, n| unsafe { f(device, n, buf) });
+    let kept = match read {
+        Ok(l) => keep_mine(v, l),
+        Err(e) => return e,
+    };
+    // SAFETY: `count` non-NULL; nvml.h: `pids` NULL or room for `*count` pids.
+    unsafe { answer_list(kept, count, pids) }
+}
+
+/// `nvmlAccountingStats_v2_t` (NVML 13 only, so not in ffi.rs, whose structs are checked
+/// against both header sets): the caller names the process in `pid`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct nvmlAccountingStats_v2_t {
+    pub pid: u32,
+    pub isRunning: u32,
+    pub gpuUtilization: u32,
+    pub memoryUtilization: u32,
+    pub maxMemoryUsage: u64,
+    pub sampleCount: u32,
+    pub sumGpuUtil: u64,
+    pub sumFbUtil: u64,
+    pub time: u64,
+    pub startTime: u64,
+}
+
+/// The host pid of the container's process `pid` (its own namespace's), if it is one.
+fn host_pid_of(v: &Vcuda, pid: c_uint) -> Option<u32> {
+    let mut pids = [(0u32, 0u32); MAX_PROCS];
+    let np = v.container_process_pids(&mut pids);
+    pids[..np]
+        .iter()
+        .find(|(_, mine)| *mine == pid)
+        .map(|&(host, _)| host)
+}
+
+/// A pid of the container is asked about by its host pid; any other pid is
+/// `NVML_ERROR_NOT_FOUND`, as for a process the driver has no record of.
+unsafe fn accounting_stats(
+    device: nvmlDevice_t,
+    pid: c_uint,
+    stats: *mut nvmlAccountingStats_t,
+) -> nvmlReturn_t {
+    let v = state!();
+    match host_pid_of(v, pid) {
+        Some(host) => forward!(MISSING, nvmlDeviceGetAccountingStats(device, host, stats)),
+        None if real().nvmlDeviceGetAccountingStats.is_none() => MISSING,
+        None => NVML_ERROR_NOT_FOUND,
+    }
+}
+
+/// [`accounting_stats`] for NVML 13's `_v2`, whose caller names the process in `stats.pid`:
+/// asked by its host pid, answered with the container's pid back in place.
+unsafe fn accounting_stats_v2(
+    device: nvmlDevice_t,
+    stats: *mut nvmlAccountingStats_v2_t,
+) -> nvmlReturn_t {
+    let v = state!();
+    if real().nvmlDeviceGetAccountingStats_v2.is_none() {
+        return MISSING;
+    }
+    // SAFETY: NULL-checked; the caller's struct as nvml.h documents it.
+    let Some(st) = (unsafe { stats.as_mut() }) else {
+        return forward!(MISSING, nvmlDeviceGetAccountingStats_v2(device, stats));
+    };
+    let mine = st.pid;
+    let Some(host) = host_pid_of(v, mine) else {
+        return NVML_ERROR_NOT_FOUND;
+    };
+    st.pid = host;
+    let rc = forward!(MISSING, nvmlDeviceGetAccountingStats_v2(device, stats));
+    // SAFETY: the same caller's struct, which the real function may have written.
+    unsafe { (*stats).pid = mine };
+    rc
 }
 
 #[cfg(test)]
@@ -882,6 +1113,11 @@ mod tests {
         assert_eq!((n1, v1[0].pid, v1[0].used_gpu_memory), (1, 17, 6));
         let mut real = [v3(9001, 100), v3(17, 200)];
         assert_eq!(keep_container_processes(&mut real, &[]), 0);
+    }
+
+    #[test]
+    fn the_nvml13_accounting_struct_has_the_headers_size() {
+        assert_eq!(std::mem::size_of::<nvmlAccountingStats_v2_t>(), 64);
     }
 
     #[test]
