@@ -180,6 +180,9 @@ def proc(name, version):
     return rc, status.value, fn.value
 # Before cuInit: the configured cuda_version bounds the versions callers may ask for.
 print("before", proc("cuCtxGetDevice", 13000), proc("cuMemcpyBatchAsync", 13000)[:2], proc("cuMemAlloc", 13060)[0])
+batch = proc("cuMemcpyBatchAsync", 13000)[2]
+addr = lambda name: ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
+print("batch13", batch == addr("cuMemcpyBatchAsync_v2"), batch == addr("cuMemcpyBatchAsync"))
 assert cuda.cuInit(0) == 0
 ctx, dev = ctypes.c_void_p(), ctypes.c_int(-1)
 assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 1) == 0
@@ -202,9 +205,10 @@ def test_cuda13_abis_and_version_before_init(sim):
     lines = dict(line.split(" ", 1) for line in p.stdout.splitlines())
     before = lines["before"]
     assert before.startswith("(0, 0, ") and "None" not in before.split(")")[0], before
-    # A 13.0 ABI gpusim does not implement is "symbol not found", not the 12.x one; a
-    # version past the configured one is refused.
-    assert before.endswith("(0, 1) 1"), before
+    # A 13.0 ABI gpusim only stubs (issue 22: every cuda.h function is exported) is that ABI's
+    # symbol, never the 12.x one; a version past the configured one is refused.
+    assert before.endswith("(0, 0) 1"), before
+    assert lines["batch13"] == "True False"
     assert lines["no_current"] == "201 201"  # CUDA_ERROR_INVALID_CONTEXT
     assert lines["explicit"] == "0 1 0"
     assert lines["current"] == "0 1 0"

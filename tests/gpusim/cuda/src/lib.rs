@@ -4,7 +4,10 @@
 //! function with the exact `cuda.h` signature, a thin shell over a safe body returning
 //! `Result<(), CUresult>`, run under [`ffi::guard`] so no panic reaches C. The same macro
 //! lists the export for `cuGetProcAddress`, which resolves names through
-//! [`procaddr_table`] (generated from `cudaTypedefs.h`) and [`symbols`].
+//! [`procaddr_table`] (generated from `cudaTypedefs.h`) and [`symbols`]. Every other function
+//! the CUDA 12.9 and 13.x `cuda.h` declare is a generated stub in [`unsupported`]
+//! (`scripts/gen-cuda-stubs`): `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`, else
+//! `CUDA_ERROR_NOT_SUPPORTED`.
 //!
 //! Invariants:
 //! - Device memory is charged to the shared state before an allocation succeeds and given
@@ -55,5 +58,6 @@ pub mod procaddr;
 pub mod procaddr_table;
 pub mod stream;
 pub mod symbols;
+pub mod unsupported;
 pub mod va;
 pub mod vmm;

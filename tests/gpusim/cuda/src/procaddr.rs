@@ -1,7 +1,8 @@
 //! `cuGetProcAddress` / `cuGetProcAddress_v2` as the driver documents them: the base name,
 //! CUDA version and flags select exactly one ABI variant ([`crate::procaddr_table`], generated
-//! from the CUDA 12.9 and 13.x headers); an unknown or too-new symbol, or a variant gpusim does
-//! not export, is `CUDA_SUCCESS` with a NULL pointer and the reason in the status. Also the
+//! from the CUDA 12.9 and 13.x headers); an unknown or too-new symbol is `CUDA_SUCCESS` with a
+//! NULL pointer and the reason in the status. Every variant of the table is exported, by hand or
+//! as a generated `CUDA_ERROR_NOT_SUPPORTED` stub ([`crate::unsupported`]). Also the
 //! error-string calls, which work before `cuInit`.
 
 use std::ffi::{c_char, c_void, CString};
@@ -73,11 +74,10 @@ fn driver_version() -> i32 {
     }
 }
 
-/// The address of the variant the table picks, if gpusim exports it. A variant it does not
-/// export (an ABI it does not implement, e.g. cuMemcpyBatchAsync_v2 at 13000) is "symbol not
-/// found", which the caller sees as CUDA_SUCCESS with a NULL pointer, as the driver answers for
-/// a function it does not support; never an older ABI of the same base, whose signature the
-/// caller would get wrong.
+/// The address of the variant the table picks. gpusim exports every variant (an ABI it does not
+/// implement, e.g. cuMemcpyBatchAsync_v2 at 13000, is a stub answering CUDA_ERROR_NOT_SUPPORTED);
+/// a symbol missing from the export table would be "symbol not found" (CUDA_SUCCESS with a NULL
+/// pointer), never an older ABI of the same base, whose signature the caller would get wrong.
 fn resolve(name: &str, version: u32, per_thread: bool) -> Result<usize, u32> {
     select(VARIANTS, name, version, per_thread).and_then(|sym| {
         crate::symbols::table()
@@ -265,9 +265,29 @@ mod tests {
         }
     }
 
-    /// A 13.x ABI gpusim does not implement is "symbol not found", not its older ABI.
+    /// Every variant of the table is a function gpusim exports (hand-written or a generated stub
+    /// of crate::unsupported), so cuGetProcAddress never hands out NULL for a known variant.
     #[test]
-    fn unexported_variant_is_not_found() {
+    fn every_variant_is_exported() {
+        let missing: Vec<&str> = VARIANTS
+            .iter()
+            .map(|v| v.symbol)
+            .filter(|s| !crate::symbols::table().contains_key(s))
+            .collect();
+        assert!(missing.is_empty(), "not exported: {missing:?}");
+        for v in VARIANTS {
+            assert_eq!(
+                resolve(v.base, v.version, v.per_thread),
+                Ok(crate::symbols::table()[v.symbol]),
+                "{v:?}"
+            );
+        }
+    }
+
+    /// A 13.x ABI gpusim only stubs is that stub (CUDA_ERROR_NOT_SUPPORTED when called), never
+    /// its older ABI, whose signature the caller would get wrong.
+    #[test]
+    fn newer_abi_is_never_an_older_one() {
         let sym = |s: &str| crate::symbols::table()[s];
         assert_eq!(
             resolve("cuLaunchHostFunc", 13000, true),
@@ -279,8 +299,9 @@ mod tests {
         );
         assert_eq!(
             resolve("cuLaunchHostFunc", 13010, false),
-            Err(STATUS_SYMBOL_NOT_FOUND)
+            Ok(sym("cuLaunchHostFunc_v2"))
         );
+        assert_ne!(sym("cuLaunchHostFunc_v2"), sym("cuLaunchHostFunc"));
         assert_eq!(
             resolve("cuGraphAddNode", 13030, false),
             Ok(sym("cuGraphAddNode_v2"))

@@ -20,6 +20,7 @@ pub fn table() -> &'static HashMap<&'static str, usize> {
         crate::procaddr::register(&mut v);
         crate::stream::register(&mut v);
         crate::vmm::register(&mut v);
+        crate::unsupported::register(&mut v);
         v.into_iter().collect()
     })
 }
