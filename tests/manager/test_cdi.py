@@ -281,7 +281,11 @@ def test_every_cdi_spec_the_manager_writes_is_valid_and_goes_with_its_allocation
         # for the control loop to collect (2 minutes of grace) once b is deleted.
         node.stop_manager()
         stale = node.cdi_dir / "vcuda.io-allocation_a00000000000000000000000000000000.json"
-        stale.write_text("{}")
+        # planted whole (write, then rename): the watch must not see the test's own write
+        # half done (it once did: an empty file between open and write)
+        planting = node.cdi_dir / "planting.tmp"
+        planting.write_text("{}")
+        planting.replace(stale)
         tmp = node.cdi_dir / ".vcuda.io-allocation_x.json.0f.tmp"
         tmp.write_text("{")
         foreign = node.cdi_dir / "example.com-gpu.json"
